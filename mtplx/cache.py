@@ -1,0 +1,189 @@
+"""Batch caches with one slot per row and per-row commit/rollback.
+
+Every row of a decode batch owns one slot. A slot's valid length moves on its
+own, so rolling back rejected draft entries is `lengths -= k - a_b`: nothing
+moves in memory. Entries past a row's length are masked, and a slot is zeroed
+when its row leaves (a NaN in a masked V entry still poisons attention).
+
+`SlotKVCache` implements the cache protocol mlx-lm's attention layers call
+(`offset`, `update_and_fetch`, `make_mask`), so no model file is forked.
+`SlotGDNCache` holds gated-delta (linear attention) state, which cannot be
+trimmed; the verify-time forward records its per-step inputs so that commit can
+replay only the recurrence up to each row's accepted position.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import mlx.core as mx
+
+from mlx_lm.models.gated_delta import gated_delta_update
+
+_STEP = 256  # capacity grows in multiples of this many positions
+
+
+class SlotKVCache:
+    """Attention KV with a write position per row.
+
+    `lengths[b]` is the number of valid entries of row b, which is also the
+    RoPE position of the next token written to that row. `host_max` mirrors
+    max(lengths) on the host so the fetched span never needs a device sync.
+    """
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.keys: Optional[mx.array] = None  # [B, H, C, Dk]
+        self.values: Optional[mx.array] = None  # [B, H, C, Dv]
+        self.lengths = mx.zeros((batch_size,), dtype=mx.int32)  # [B]
+        self.host_max = 0
+
+    # -- the protocol mlx-lm attention layers use --------------------------
+    @property
+    def offset(self) -> mx.array:
+        return self.lengths
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **_):
+        # Query t of row b sees keys j <= lengths[b] + t.
+        span = self.host_max + N
+        q = self.lengths[:, None] + mx.arange(N)[None, :]  # [B, N]
+        mask = mx.arange(span)[None, None, :] <= q[:, :, None]  # [B, N, S]
+        if window_size is not None:
+            mask = mask & (mx.arange(span)[None, None, :] > q[:, :, None] - window_size)
+        return mask[:, None]  # [B, 1, N, S]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        B, H, T, _ = keys.shape  # [B, H, T, Dk]
+        self._reserve(self.host_max + T, keys, values)
+        idx = self.lengths[:, None] + mx.arange(T)[None, :]  # [B, T]
+        idx = idx[:, None, :, None]  # [B, 1, T, 1]
+        self.keys = mx.put_along_axis(
+            self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2
+        )
+        self.values = mx.put_along_axis(
+            self.values, mx.broadcast_to(idx, values.shape), values, axis=2
+        )
+        self.lengths = self.lengths + T
+        self.host_max += T
+        return self.keys[:, :, : self.host_max], self.values[:, :, : self.host_max]
+
+    def is_trimmable(self):
+        return False
+
+    # -- what the runtime calls --------------------------------------------
+    def _reserve(self, needed: int, keys: mx.array, values: mx.array):
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if needed <= have:
+            return
+        grow = ((needed - have + _STEP - 1) // _STEP) * _STEP
+        B, H = self.batch_size, keys.shape[1]
+        new_k = mx.zeros((B, H, grow, keys.shape[3]), dtype=keys.dtype)
+        new_v = mx.zeros((B, H, grow, values.shape[3]), dtype=values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def set_lengths(self, lengths: mx.array, host_max: int):
+        """Commit: keep `lengths[b]` entries of each row (rollback is free)."""
+        self.lengths = lengths.astype(mx.int32)
+        self.host_max = int(host_max)
+
+    def load_row(self, row: int, keys: mx.array, values: mx.array, host_max: int):
+        """Put a prefilled sequence ([1, H, L, D]) into slot `row`."""
+        L = keys.shape[2]
+        self._reserve(max(L, 1), keys, values)
+        self.zero_row(row)
+        if L:
+            self.keys[row : row + 1, :, :L] = keys
+            self.values[row : row + 1, :, :L] = values
+        self.lengths[row] = L
+        self.host_max = int(host_max)
+
+    def zero_row(self, row: int):
+        if self.keys is not None:
+            self.keys[row] = 0
+            self.values[row] = 0
+        self.lengths[row] = 0
+
+    def copy_row(self, src: int, dst: int):
+        if self.keys is not None:
+            self.keys[dst] = self.keys[src]
+            self.values[dst] = self.values[src]
+        self.lengths[dst] = self.lengths[src]
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.lengths
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class SlotGDNCache:
+    """Gated-delta state per row: the conv window and the recurrent state.
+
+    During verify the layer's own forward (see `families/qwen.py`) stores the
+    per-step recurrence inputs in `pending`; `commit` then keeps, per row, the
+    state after its accepted position by replaying only the recurrence.
+    """
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.conv: Optional[mx.array] = None  # [B, K-1, C]
+        self.state: Optional[mx.array] = None  # [B, Hv, Dv, Dk]
+        self.pending = None
+
+    def ensure(self, conv_shape, conv_dtype, state_shape):
+        if self.conv is None:
+            self.conv = mx.zeros((self.batch_size, *conv_shape), dtype=conv_dtype)
+            self.state = mx.zeros((self.batch_size, *state_shape), dtype=mx.float32)
+
+    def commit(self, keep: mx.array, all_kept: bool):
+        """Keep `keep[b]` of the T verified steps of row b (1 <= keep <= T)."""
+        p = self.pending
+        self.pending = None
+        if p is None:
+            return
+        conv_input, state_after, q, k, v, a, b, A_log, dt_bias, state_before = p
+        T = q.shape[1]
+        n_keep = conv_input.shape[1] - T
+        # The conv window is the input window ending at the last kept step.
+        pos = keep[:, None] + mx.arange(n_keep)[None, :]  # [B, K-1]
+        self.conv = mx.take_along_axis(conv_input, pos[..., None], axis=1)
+        if all_kept:
+            self.state = state_after
+            return
+        step_mask = mx.arange(T)[None, :] < keep[:, None]  # [B, T]
+        _, self.state = gated_delta_update(
+            q, k, v, a, b, A_log, dt_bias, state_before, step_mask, use_kernel=False
+        )
+
+    def load_row(self, row: int, conv: mx.array, state: mx.array):
+        self.ensure(conv.shape[1:], conv.dtype, state.shape[1:])
+        self.conv[row] = conv[0]
+        self.state[row] = state[0].astype(self.state.dtype)
+
+    def zero_row(self, row: int):
+        if self.conv is not None:
+            self.conv[row] = 0
+            self.state[row] = 0
+
+    def copy_row(self, src: int, dst: int):
+        if self.conv is not None:
+            self.conv[dst] = self.conv[src]
+            self.state[dst] = self.state[src]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.conv is None else self.conv.nbytes + self.state.nbytes
+
+
+def make_slot_caches(layer_kinds: List[str], batch_size: int) -> list:
+    """One slot cache per trunk layer: 'attn' -> KV, 'linear' -> gated delta."""
+    return [
+        SlotGDNCache(batch_size) if kind == "linear" else SlotKVCache(batch_size)
+        for kind in layer_kinds
+    ]

@@ -1,0 +1,1 @@
+"""One adapter per model family; importing a module registers it."""

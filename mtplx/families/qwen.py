@@ -1,0 +1,211 @@
+"""Qwen3.5 / Qwen3.6 / Qwen3-Next: hybrid gated-delta trunk, `mtp.*` head.
+
+Head wiring (checked against vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py):
+- e = pre_fc_norm_embedding(embed(x_{t+1})), h = pre_fc_norm_hidden(h_t),
+  x = fc([e; h])  (embedding first), then one full-attention decoder layer
+  per MTP layer (depth i uses layer (i-1) mod n), then `mtp.norm`, then the
+  trunk's shared lm_head. The embedding table is the trunk's.
+- The hidden state fed to the head is the trunk output after its final norm.
+- For depth > 1 the head's own output after `mtp.norm` is fed back.
+- No embedding is zeroed at position 0.
+- All RMSNorm weights are zero-centred in the HF checkpoint (GemmaRMSNorm:
+  applied as 1 + w). mlx-lm's sanitize shifts the trunk's by +1; the head's
+  decoder layer goes through that same sanitize, and the head-level norms
+  (`pre_fc_norm_*`, `mtp.norm`) get the same +1 here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+from ..cache import SlotGDNCache
+from ..mtp_patch import CheckpointError, FamilyAdapter, register
+from .common import bind_shared, load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
+
+_HEAD_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
+
+
+class QwenMTPHead(nn.Module):
+    def __init__(self, args, layer_cls, ref_layer_idx: int, num_layers: int):
+        super().__init__()
+        H = args.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.layers = [layer_cls(args, ref_layer_idx) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+
+    def __call__(self, hidden, next_tokens, cache=None, depth: int = 1):
+        # hidden [B, T, H], next_tokens [B, T] -> logits [B, T, V], out [B, T, H]
+        e = self.pre_fc_norm_embedding(self.embed(next_tokens))
+        h = self.pre_fc_norm_hidden(hidden)
+        x = self.fc(mx.concatenate([e, h], axis=-1))  # [B, T, H]
+        j = (depth - 1) % len(self.layers)
+        c = None if cache is None else cache[j]
+        mask = create_attention_mask(x, c, return_array=True)
+        x = self.layers[j](x, mask, c)
+        out = self.norm(x)
+        return self.lm_head(out), out
+
+
+def _args(trunk):
+    return trunk.language_model.args if hasattr(trunk, "language_model") else trunk.args
+
+
+def _text_model(trunk):
+    return trunk.language_model.model if hasattr(trunk, "language_model") else trunk.model
+
+
+def _lm_head(trunk):
+    lm = trunk.language_model if hasattr(trunk, "language_model") else trunk
+    if lm.args.tie_word_embeddings:
+        return lambda x: lm.model.embed_tokens.as_linear(x)
+    return lambda x: lm.lm_head(x)
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def _num_mtp_layers(config: dict) -> int:
+    tc = _text_config(config)
+    return int(tc.get("mtp_num_hidden_layers", tc.get("num_nextn_predict_layers", 0)) or 0)
+
+
+def _is_mtp_key(key: str, config: dict) -> bool:
+    return key.startswith("mtp.")
+
+
+def _hf_layout(trunk, shard_shapes: Dict[str, tuple]) -> bool:
+    # The same test the trunk's sanitize uses: HF conv1d weights are [C, 1, K];
+    # Qwen3-Next (MoE only) is HF when experts are stored one by one.
+    if any("conv1d.weight" in k and s[-1] != 1 for k, s in shard_shapes.items()):
+        return True
+    return any(".mlp.experts.0.up_proj.weight" in k for k in shard_shapes)
+
+
+def _build_head(trunk, config, tensors: Dict[str, mx.array], shard_shapes, quantization=None, mlx_layout=False):
+    args = _args(trunk)
+    inner = _text_model(trunk)
+    layer_ids = sorted({int(m.group(1)) for k in tensors for m in [re.match(r"mtp\.layers\.(\d+)\.", k)] if m})
+    n = len(layer_ids)
+    if n == 0:
+        raise CheckpointError("MTP tensors found but no mtp.layers.N.* decoder layer")
+    if layer_ids != list(range(n)):
+        raise CheckpointError(f"MTP layers are not numbered 0..{n - 1}: {layer_ids}")
+    ref = args.full_attention_interval - 1
+    head = QwenMTPHead(args, type(inner.layers[ref]), ref, n)
+
+    if mlx_layout:
+        weights = {k[len("mtp."):]: v for k, v in tensors.items()}
+    else:
+        weights = _hf_to_head(trunk, args, tensors, shard_shapes, ref, n)
+    maybe_quantize_head(head, weights, quantization)
+    load_head_weights(head, weights, "qwen MTP head")
+    bind_shared(head, embed=lambda t: inner.embed_tokens(t), lm_head=_lm_head(trunk))
+    return head
+
+
+def _hf_to_head(trunk, args, tensors, shard_shapes, ref, n):
+    hf = _hf_layout(trunk, shard_shapes)
+    # A gated-delta conv weight in HF shape tells the qwen3_5 sanitize that the
+    # tensors are in HF layout (so it shifts the zero-centred norms).
+    lin = 0 if ref != 0 else 1
+    trigger = {f"model.layers.{lin}.linear_attn.conv1d.weight": mx.zeros((1, 1, 2))} if hf else None
+    weights = {}
+    for j in range(n):
+        prefix = f"mtp.layers.{j}."
+        layer = {k: v for k, v in tensors.items() if k.startswith(prefix)}
+        weights.update(
+            sanitize_as_trunk_layer(trunk, layer, prefix, f"model.layers.{ref}.", f"layers.{j}.", trigger)
+        )
+    for k, v in tensors.items():
+        if k.startswith("mtp.layers."):
+            continue
+        name = k[len("mtp."):]
+        if hf and name in _HEAD_NORMS:
+            v = v + 1.0
+        weights[name] = v
+    return weights
+
+
+# -- verify-time forward of a gated-delta layer --------------------------------
+
+
+def _project(gdn, x):
+    """The layer's own input projections -> (mixed_qkv, z, b, a)."""
+    B, S, _ = x.shape
+    if hasattr(gdn, "in_proj_qkvz"):  # Qwen3-Next packs q, k, v, z and b, a
+        q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+        mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return mixed, z, b, a
+    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    return gdn.in_proj_qkv(x), z, gdn.in_proj_b(x), gdn.in_proj_a(x)
+
+
+def gated_delta_verify(gdn, x, cache: SlotGDNCache):
+    """The gated-delta layer's forward with its per-step inputs kept for commit.
+
+    Same parameters and mlx-lm ops as the layer's own __call__; the only
+    difference is that the recurrence inputs and the pre-verify state are
+    stored in `cache.pending`, so rollback replays the recurrence alone.
+    """
+    B, S, _ = x.shape
+    mixed, z, b, a = _project(gdn, x)  # [B, S, C], [B, S, Hv, Dv], [B, S, Hv] x2
+    K = gdn.conv_kernel_size
+    cache.ensure((K - 1, gdn.conv_dim), x.dtype, (gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim))
+    conv_input = mx.concatenate([cache.conv, mixed], axis=1)  # [B, K-1+S, C]
+    conv_out = nn.silu(gdn.conv1d(conv_input))  # [B, S, C]
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    before = cache.state
+    out, after = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, before, None, use_kernel=not gdn.training)
+    cache.pending = (conv_input, after, q, k, v, a, b, gdn.A_log, gdn.dt_bias, before)
+    # Until commit, the cache holds the state after all S steps.
+    cache.conv = conv_input[:, -(K - 1):]
+    cache.state = after
+    out = gdn.norm(out, z)  # [B, S, Hv, Dv]
+    return gdn.out_proj(out.reshape(B, S, -1))
+
+
+def _run_layer(layer, x, mask, cache):
+    if getattr(layer, "is_linear", False) and isinstance(cache, SlotGDNCache):
+        # The decoder layer's residual structure around our verify forward.
+        h = x + gated_delta_verify(layer.linear_attn, layer.input_layernorm(x), cache)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+    return layer(x, mask, cache)
+
+
+def _layer_kinds(trunk) -> List[str]:
+    return ["linear" if getattr(l, "is_linear", False) else "attn" for l in _text_model(trunk).layers]
+
+
+QWEN = register(
+    FamilyAdapter(
+        name="qwen3_5",
+        model_types=("qwen3_5", "qwen3_5_moe", "qwen3_next"),
+        text_model=_text_model,
+        lm_head=_lm_head,
+        hidden_after_norm=True,
+        is_mtp_key=_is_mtp_key,
+        build_head=_build_head,
+        num_mtp_layers=_num_mtp_layers,
+        run_layer=_run_layer,
+        layer_kinds=_layer_kinds,
+        hf_layout=_hf_layout,
+        notes={"reference": "vLLM qwen3_next_mtp.py, qwen3_5_mtp.py"},
+    )
+)

@@ -1,0 +1,149 @@
+"""`mtplx.load`: an mlx-lm trunk plus the MTP head mlx-lm drops on load."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+from .checkpoint import SIDECAR, load_tensors, read_config, shard_files, shard_shapes
+from .mtp_patch import CheckpointError, FamilyAdapter, family_for
+
+
+@dataclass
+class MTPModel:
+    trunk: nn.Module
+    head: Optional[nn.Module]
+    tokenizer: Any
+    config: dict
+    family: FamilyAdapter
+    path: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def text_model(self):
+        return self.family.text_model(self.trunk)
+
+    @property
+    def layer_kinds(self) -> List[str]:
+        if self.family.layer_kinds is not None:
+            return self.family.layer_kinds(self.trunk)
+        return ["attn"] * len(self.text_model.layers)
+
+    @property
+    def num_head_layers(self) -> int:
+        return 0 if self.head is None else len(self.head.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_model.embed_tokens.weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> set:
+        ids = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    @property
+    def max_context(self) -> Optional[int]:
+        cfg = self.config.get("text_config", self.config)
+        return cfg.get("max_position_embeddings")
+
+    def forward(self, tokens: mx.array, cache=None) -> Tuple[mx.array, mx.array]:
+        """Trunk logits [B, T, V] and, per position, the hidden state [B, T, H]
+        this family's head consumes."""
+        inner = self.text_model
+        x = inner.embed_tokens(tokens)  # [B, T, H]
+        layers = inner.layers
+        cache = cache if cache is not None else [None] * len(layers)
+        kinds = self.layer_kinds
+        attn_mask = ssm_mask = None
+        if "attn" in kinds:
+            attn_mask = create_attention_mask(x, cache[kinds.index("attn")], return_array=True)
+        if "linear" in kinds:
+            ssm_mask = create_ssm_mask(x, cache[kinds.index("linear")])
+        run = self.family.run_layer or (lambda layer, h, m, c: layer(h, m, c))
+        for layer, kind, c in zip(layers, kinds, cache):
+            x = run(layer, x, ssm_mask if kind == "linear" else attn_mask, c)
+        normed = inner.norm(x)
+        logits = self.family.lm_head(self.trunk)(normed)  # [B, T, V]
+        return logits, (normed if self.family.hidden_after_norm else x)
+
+    def make_cache(self):
+        """Plain mlx-lm caches (batch 1 prefill, reference decoding)."""
+        return self.trunk.make_cache()
+
+    def make_head_cache(self):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in range(self.num_head_layers)]
+
+
+def load(path, *, lazy: bool = False) -> MTPModel:
+    """Load a checkpoint (HF layout or converted by `mtplx convert`) with its MTP head."""
+    path = Path(path)
+    config = read_config(path)
+    family = family_for(config)
+    files = shard_files(path)
+    if not files:
+        raise CheckpointError(f"no model*.safetensors shards in {path}")
+    shapes = shard_shapes(files)  # also validates every shard's size
+    trunk = _load_trunk(path, family)
+    tokenizer = _load_tokenizer(path, config)
+    head, info = _load_head(path, config, family, trunk, files, shapes)
+    if not lazy:
+        mx.eval(trunk.parameters())
+        if head is not None:
+            mx.eval(head.parameters())
+    return MTPModel(trunk, head, tokenizer, config, family, path, info)
+
+
+def _load_trunk(path: Path, family: FamilyAdapter) -> nn.Module:
+    from mlx_lm.utils import _get_classes, load_model
+
+    classes = family.model_classes or _get_classes
+    try:
+        trunk, _ = load_model(path, lazy=True, strict=True, get_model_classes=classes)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot load the trunk from {path}: {e}") from None
+    return trunk
+
+
+def _load_tokenizer(path: Path, config: dict):
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:
+        raise CheckpointError(f"cannot load the tokenizer from {path}: {e}") from None
+
+
+def _load_head(path, config, family, trunk, files, shapes):
+    sidecar = path / SIDECAR
+    if sidecar.exists():
+        from .checkpoint import read_header
+
+        read_header(sidecar)
+        tensors = dict(mx.load(str(sidecar)))
+        quant = config.get("mtplx", {}).get("head_quantization")
+        head = family.build_head(trunk, config, tensors, shapes, quantization=quant, mlx_layout=True)
+        return head, {"source": SIDECAR, "quantization": quant}
+    tensors = load_tensors(files, lambda k: family.is_mtp_key(k, config))
+    if not tensors:
+        if family.num_mtp_layers(config) > 0:
+            warnings.warn(
+                f"{path}: config declares {family.num_mtp_layers(config)} MTP layer(s) "
+                "but the checkpoint holds no MTP tensors (dropped by a conversion?); "
+                "loading the trunk alone, speculation is unavailable"
+            )
+        return None, {"source": None}
+    head = family.build_head(trunk, config, tensors, shapes)
+    return head, {"source": "shards", "tensors": len(tensors)}
