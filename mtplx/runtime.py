@@ -1,0 +1,407 @@
+"""MTPLXRuntime: the batched decode loop (prefill, draft, verify, accept,
+commit, refill), as DESIGN.md "One decode cycle" describes it.
+
+A cycle over B slots at depth k:
+  0. head catch-up: one head pass writes each row's verified pairs and
+     (h, primary); its output at the primary gives q_1 for the draft.
+  1. draft d_1..d_k (depth i>1 feeds the head its own output back);
+  2. verify [x_n, d_1..d_k] with one trunk forward;
+  3. accept per row, vectorised (mtplx.sampling.speculative_accept);
+  4. commit: trunk lengths += a_b + 1, gated-delta replay, head rollback;
+  5. emit on the host, apply stop rules, free and refill finished slots.
+The host syncs once per cycle, to read accepted counts and tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterable, Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+import numpy as np
+
+from .completion import Completion, Request, error_completion, find_stop_string
+from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
+from .mtp_patch import MTPContract
+from .prefill import Prefilled, prefill
+from .sampling import (
+    SamplingParams,
+    batch_sampling,
+    draft_tokens,
+    position_keys,
+    row_hash,
+    speculative_accept,
+    target_probs,
+)
+from .slots import Row, SlotBatch
+
+
+class MTPLXRuntime:
+    def __init__(self, model, contract: MTPContract = MTPContract(), max_batch: int = 8):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model = model
+        self.contract = contract
+        self.max_batch = max_batch
+        if contract.depth != 0 and model.head is None:
+            raise ValueError(
+                f"{model.path}: this checkpoint has no MTP head, so it cannot draft "
+                f"(depth={contract.depth!r}); use MTPContract(depth=0) for plain decoding"
+            )
+        self.depth = self._resolve_depth()
+        self.eos = set(model.eos_token_ids)
+        self.stats = _new_stats(self.depth)
+
+    def _resolve_depth(self) -> int:
+        if self.contract.depth == "auto":
+            from .autodepth import choose_depth
+
+            return choose_depth(self.model, self.contract, self.max_batch)
+        return int(self.contract.depth)
+
+    # -- public API ----------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Union[str, Sequence[int]]],
+        sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        max_tokens: int = 256,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+        n: int = 1,
+        row_ids: Optional[Sequence] = None,
+        stop_token_ids: Sequence[int] = (),
+        logprobs: bool = False,
+    ) -> List[Completion]:
+        """Complete every prompt; results in input order (then sample order)."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError("sampling must be one SamplingParams or one per prompt")
+        requests = [
+            Request(
+                index=i,
+                prompt=p,
+                sampling=sp,
+                max_tokens=max_tokens,
+                row_id=None if row_ids is None else row_ids[i],
+                n=n,
+                stop=tuple(stop),
+                stop_token_ids=tuple(stop_token_ids),
+                logprobs=logprobs,
+            )
+            for i, (p, sp) in enumerate(zip(prompts, sampling))
+        ]
+        out = list(self.stream(requests, seed=seed))
+        return sorted(out, key=lambda c: (c.index, c.sample_index))
+
+    def stream(self, requests: Iterable[Request], seed: int = 0) -> Iterator[Completion]:
+        """Yield each Completion as soon as its row finishes. Requests are pulled
+        lazily; the runtime alone decides batch composition."""
+        batch = SlotBatch(self.model, self.max_batch, self.depth)
+        waiting = _Samples(iter(requests))
+        while True:
+            yield from self._refill(batch, waiting, seed)
+            if not batch.any_active():
+                return
+            yield from self._cycle(batch, seed)
+
+    # -- refill --------------------------------------------------------------
+    def _refill(self, batch: SlotBatch, waiting: "_Samples", seed: int) -> Iterator[Completion]:
+        for b in batch.free_slots():
+            while batch.rows[b] is None and not waiting.exhausted:
+                item = waiting.next(self, seed)
+                if item is None:
+                    break
+                kind, payload = item
+                if kind == "done":
+                    yield payload
+                    continue
+                pre, row, first = payload
+                finished = self._finish_if_done(row, [first])
+                if finished is not None:
+                    yield finished
+                    continue
+                batch.load(b, pre, row, first)
+        batch.sampling = batch_sampling(
+            [r.req.sampling if r is not None else SamplingParams() for r in batch.rows]
+        )
+
+    def prepare(self, req: Request, sample_index: int, seed: int, pre: Optional[Prefilled]):
+        """Prefill (shared by a request's samples) and the first token of one sample."""
+        key_hash = _key_hash(req)
+        if pre is None:
+            ids = self._encode(req)
+            t0 = time.perf_counter()
+            pre = prefill(self.model, ids, self.contract.prefill_chunk, with_head=self.depth > 0)
+            self.stats["prefill_seconds"] += time.perf_counter() - t0
+            self.stats["prefill_tokens"] += len(ids)
+        row = Row(req, sample_index, key_hash, pre.length, self.depth)
+        bad = nonfinite_rows(pre.last_logits)
+        keys = position_keys(seed, [key_hash], [sample_index], mx.zeros((1, 1), dtype=mx.int32))
+        p = target_probs(pre.last_logits[:, None], batch_sampling([req.sampling]))  # [1, 1, V]
+        p = replace_nonfinite_rows(p, bad)
+        _, first = speculative_accept(
+            mx.zeros((1, 0), dtype=mx.int32), p[:, :0], p, keys, rule=self.contract.acceptance, check_finite=False
+        )
+        first = int(first.item())
+        row.tokens.append(first)
+        if row.logprobs is not None:
+            row.logprobs.append(float(log_softmax_f32(pre.last_logits)[0, first].item()))
+        return pre, row, first, bool(bad.item())
+
+    def _encode(self, req: Request) -> List[int]:
+        if isinstance(req.prompt, str):
+            ids = self.model.tokenizer.encode(req.prompt)
+        else:
+            ids = [int(t) for t in req.prompt]
+        if not ids:
+            raise PromptError("empty prompt")
+        vocab = self.model.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise PromptError(f"prompt token ids must be in [0, {vocab})")
+        limit = self.model.max_context
+        if limit is not None and len(ids) + req.max_tokens + self.depth + 1 > limit:
+            raise PromptError(
+                f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens} exceeds "
+                f"the model context of {limit} tokens"
+            )
+        return ids
+
+    # -- one decode cycle ----------------------------------------------------
+    def _cycle(self, batch: SlotBatch, seed: int) -> List[Completion]:
+        t0 = time.perf_counter()
+        k = self.depth
+        active = batch.active()
+        emitted = np.array([len(r.tokens) if r is not None else 0 for r in batch.rows])
+        remaining = np.array([r.req.max_tokens - len(r.tokens) if r is not None else 1 for r in batch.rows])
+        num_valid = np.clip(remaining - 1, 0, k)  # rows near max_tokens draft fewer
+        keys = position_keys(
+            seed,
+            [r.key_hash if r is not None else 0 for r in batch.rows],
+            [r.sample_index if r is not None else 0 for r in batch.rows],
+            mx.array(emitted[:, None] + np.arange(k + 1)[None, :], dtype=mx.int32),
+        )  # [B, k+1, 2]
+
+        if k > 0:
+            self._head_catch_up(batch)
+            drafts, q = self._draft(batch, keys)  # [B, k], [B, k, V]
+        else:
+            drafts = mx.zeros((batch.size, 0), dtype=mx.int32)
+            q = None
+        verify_in = mx.concatenate([batch.primary[:, None], drafts], axis=1)  # [B, k+1]
+        logits, hidden = self.model.forward(verify_in, batch.trunk)  # [B, k+1, V], [B, k+1, H]
+        # A non-finite position j only matters if the row gets that far: its
+        # drafts stop before j, and it errors only if j is where it decides.
+        bad_pos = mx.any(~mx.isfinite(logits), axis=-1)  # [B, k+1]
+        first_bad = mx.where(mx.any(bad_pos, axis=1), mx.argmax(bad_pos, axis=1), k + 1)  # [B]
+        p = target_probs(mx.where(bad_pos[..., None], 0.0, logits), batch.sampling)  # [B, k+1, V]
+        q = p[:, :0] if q is None else q
+        nv = mx.minimum(mx.array(num_valid.astype(np.int32)), first_bad.astype(mx.int32))  # [B]
+        accepted, nxt = speculative_accept(
+            drafts, q, p, keys, num_valid=nv, rule=self.contract.acceptance, check_finite=False
+        )
+        bad = first_bad == accepted  # [B]
+        emitted_ids = mx.where(
+            mx.arange(k + 1)[None, :] == accepted[:, None],
+            nxt[:, None],
+            mx.concatenate([drafts, nxt[:, None]], axis=1),
+        )  # [B, k+1]: d_1..d_a, then the correction/bonus at index a
+        want_lp = any(r is not None and r.logprobs is not None for r in batch.rows)
+        lp = _token_logprobs(logits, emitted_ids) if want_lp else None
+        mx.eval(accepted, emitted_ids, bad, nv, *(x for x in (lp,) if x is not None))
+        a = np.array(accepted).astype(np.int64)
+        ids = np.array(emitted_ids)
+        bad_np = np.array(bad)
+        nv_np = np.array(nv)
+
+        keep = np.where(active, a + 1, 0)
+        batch.commit_trunk(keep, all_kept=bool(np.all(a[active] == k)) if active.any() else True)
+        if k > 0:
+            self._stage_catch_up(batch, hidden, emitted_ids, a, active)
+        batch.primary = nxt.astype(mx.int32)
+        self.stats["cycles"] += 1
+        finished = self._emit(batch, a, ids, nv_np, bad_np, None if lp is None else np.array(lp))
+        self.stats["decode_seconds"] += time.perf_counter() - t0
+        return finished
+
+    def _head_catch_up(self, batch: SlotBatch):
+        """Write each row's pending verified pairs into every head layer; keep
+        the depth-1 output at the primary's pair for drafting."""
+        head = self.model.head
+        take = mx.array(batch.cu_take.astype(np.int32))
+        before = batch.head_len.copy()
+        for j, c in enumerate(batch.head):
+            logits, out = head(batch.cu_hidden, batch.cu_tokens, cache=batch.head, depth=j + 1)
+            if j == 0:
+                batch.head_logits = _take_rows(logits, take)  # [B, V]
+                batch.head_hidden = _take_rows(out, take)  # [B, H]
+        batch.head_len = before + batch.cu_keep
+        batch.set_head_lengths(batch.head_len)
+        batch.cu_keep[:] = 0
+
+    def _draft(self, batch: SlotBatch, keys: mx.array):
+        """d_1..d_k per row; depth i>1 feeds the head its own output back."""
+        k = self.depth
+        head = self.model.head
+        rule = self.contract.acceptance
+        logits, hidden = batch.head_logits, batch.head_hidden  # [B, V], [B, H]
+        drafts, qs = [], []
+        for i in range(1, k + 1):
+            # A head gone non-finite only costs acceptance: any q is exact.
+            logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))
+            q_i = target_probs(logits[:, None], batch.sampling)  # [B, 1, V]
+            d_i = draft_tokens(q_i, keys[:, i - 1 : i], rule)  # [B, 1]
+            drafts.append(d_i)
+            qs.append(q_i)
+            if i < k:
+                lg, out = head(hidden[:, None], d_i, cache=batch.head, depth=i + 1)
+                logits, hidden = lg[:, 0], out[:, 0]
+        if k > 1:  # roll back the entries written from the head's own hidden
+            batch.set_head_lengths(batch.head_len)
+        return mx.concatenate(drafts, axis=1), mx.concatenate(qs, axis=1)
+
+    def _stage_catch_up(self, batch, hidden, emitted_ids, a, active):
+        # Next cycle's depth-1 inputs: (H_0, d_1)..(H_{a-1}, d_a), (H_a, c).
+        batch.cu_hidden = hidden
+        batch.cu_tokens = emitted_ids.astype(mx.int32)
+        batch.cu_take = np.where(active, a, 0)
+        batch.cu_keep = np.where(active, a + 1, 0)
+
+    # -- emit and stop rules (host) -----------------------------------------
+    def _emit(self, batch, a, ids, nv, bad, lp) -> List[Completion]:
+        finished = []
+        for b, row in enumerate(batch.rows):
+            if row is None:
+                continue
+            row.steps += 1
+            row.drafted[: nv[b]] += 1
+            row.accepted[: a[b]] += 1
+            if bad[b]:
+                pos = len(row.tokens)
+                finished.append(self._complete(row, "error", f"non-finite logits at completion position {pos}"))
+                batch.release(b)
+                continue
+            new = [int(t) for t in ids[b, : a[b] + 1]]
+            if lp is not None and row.logprobs is not None:
+                row.logprobs.extend(float(x) for x in lp[b, : a[b] + 1])
+            row.tokens.extend(new)
+            self.stats["decode_tokens"] += len(new)
+            done = self._finish_if_done(row, new)
+            if done is not None:
+                finished.append(done)
+                batch.release(b)
+        return finished
+
+    def _finish_if_done(self, row: Row, new: List[int]) -> Optional[Completion]:
+        """Apply EOS / stop ids / stop strings / max_tokens to a row's new tokens."""
+        req = row.req
+        start = len(row.tokens) - len(new)
+        stop_ids = self.eos | set(req.stop_token_ids)
+        for i, t in enumerate(new):
+            if t in stop_ids:
+                del row.tokens[start + i :]  # the stop token itself is not output
+                _trim(row)
+                return self._complete(row, "stop")
+        if req.stop:
+            hit = find_stop_string(self.model.tokenizer, row.tokens, req.stop, row.stop_checked)
+            if hit is not None:
+                m, text = hit
+                del row.tokens[m:]
+                _trim(row)
+                return self._complete(row, "stop", text=text)
+            row.stop_checked = len(row.tokens)
+        if len(row.tokens) >= req.max_tokens:
+            del row.tokens[req.max_tokens :]
+            _trim(row)
+            return self._complete(row, "length")
+        return None
+
+    def _complete(self, row: Row, reason: str, error: Optional[str] = None, text: Optional[str] = None):
+        if text is None:
+            text = self.model.tokenizer.decode(row.tokens) if row.tokens else ""
+        return Completion(
+            index=row.req.index,
+            sample_index=row.sample_index,
+            row_id=row.req.row_id,
+            tokens=list(row.tokens),
+            text=text,
+            finish_reason=reason,
+            error=error,
+            drafted_by_depth=[int(x) for x in row.drafted],
+            accepted_by_depth=[int(x) for x in row.accepted],
+            steps=row.steps,
+            prompt_tokens=row.prompt_tokens,
+            logprobs=row.logprobs,
+        )
+
+
+class PromptError(ValueError):
+    """A prompt the runtime cannot decode; its row ends with an error."""
+
+
+class _Samples:
+    """Expands requests into (request, sample) rows; a request's n samples
+    share one prefill (its caches are copied into each sample's slot)."""
+
+    def __init__(self, requests: Iterator[Request]):
+        self.requests = requests
+        self.current = None  # (req, prefilled, next sample index)
+        self.exhausted = False
+
+    def next(self, rt: MTPLXRuntime, seed: int):
+        while True:
+            if self.current is None:
+                req = next(self.requests, None)
+                if req is None:
+                    self.exhausted = True
+                    return None
+                self.current = [req, None, 0]
+            req, pre, s = self.current
+            if s >= req.n:
+                self.current = None
+                continue
+            self.current[2] = s + 1
+            try:
+                pre, row, first, bad = rt.prepare(req, s, seed, pre)
+            except PromptError as e:
+                # Every sample of a bad prompt is an error row.
+                return "done", error_completion(req, s, str(e))
+            self.current[1] = pre
+            if bad:
+                c = error_completion(req, s, "non-finite logits at completion position 0", pre.length)
+                return "done", c
+            return "row", (pre, row, first)
+
+
+def _key_hash(req: Request) -> int:
+    base = row_hash(req.row_id)
+    if req.sampling.seed is not None:
+        base = row_hash((base, int(req.sampling.seed)))
+    return base
+
+
+def _take_rows(x: mx.array, idx: mx.array) -> mx.array:
+    """x[b, idx[b]] for x [B, T, ...]."""
+    return mx.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+
+def _token_logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
+    lp = log_softmax_f32(logits)  # [B, T, V]
+    return mx.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]  # [B, T]
+
+
+def _trim(row: Row):
+    if row.logprobs is not None:
+        del row.logprobs[len(row.tokens) :]
+
+
+def _new_stats(depth: int) -> dict:
+    return {
+        "prefill_tokens": 0,
+        "decode_tokens": 0,
+        "prefill_seconds": 0.0,
+        "decode_seconds": 0.0,
+        "cycles": 0,
+        "depth_used": depth,
+    }

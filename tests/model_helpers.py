@@ -1,0 +1,44 @@
+"""Test-only edits of loaded tiny models.
+
+A random MTP head never agrees with its trunk, so every cycle rejects at d_1
+and partial acceptance is never exercised. `make_predictable` edits a loaded
+model in memory so that the trunk is mostly a bigram model and the head is
+that bigram model applied to the next token: acceptance then lands between 0
+and 1, and rollback of 0 < a < k entries is exercised. The trunk's layers keep
+a scaled-down contribution, so its output still depends on the whole context
+(and on every cache being right).
+"""
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+_OUT_PROJ = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "shared_expert.down_proj.weight")
+
+
+def make_predictable(model, layer_scale: float = 0.3, seed: int = 0):
+    mx.random.seed(seed)
+    trunk_updates = []
+    for name, p in tree_flatten(model.trunk.parameters()):
+        if name.endswith(_OUT_PROJ) or name.endswith("switch_mlp.down_proj.weight"):
+            trunk_updates.append((name, p * layer_scale))
+        elif name.endswith("norm.weight") and p.ndim == 1 and ".layers." not in name:
+            trunk_updates.append((name, mx.ones_like(p)))
+    model.trunk.load_weights(trunk_updates, strict=False)
+    if model.head is None:
+        return model
+    head_updates = []
+    for name, p in tree_flatten(model.head.parameters()):
+        if name.endswith(_OUT_PROJ) or name.endswith("switch_mlp.down_proj.weight"):
+            head_updates.append((name, p * 0.05))
+        elif name.endswith("norm.weight") and p.ndim == 1 and ".layers." not in name:
+            head_updates.append((name, mx.ones_like(p)))
+        elif name in ("fc.weight", "eh_proj.weight", "input_proj.weight"):
+            H = p.shape[0]
+            eye = mx.eye(H, dtype=p.dtype)
+            zero = mx.zeros((H, H), dtype=p.dtype)
+            # Pass the token embedding through, whichever side of the concat it is on.
+            first_is_embedding = name != "input_proj.weight"
+            head_updates.append((name, mx.concatenate([eye, zero] if first_is_embedding else [zero, eye], axis=1)))
+    model.head.load_weights(head_updates, strict=False)
+    mx.eval(model.trunk.parameters(), model.head.parameters())
+    return model
