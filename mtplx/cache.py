@@ -90,28 +90,28 @@ class SlotKVCache:
         self.lengths = lengths.astype(mx.int32)
         self.host_max = int(host_max)
 
-    def load_row(self, row: int, keys: mx.array, values: mx.array, host_max: int):
-        """Put a prefilled sequence ([1, H, L, D]) into slot `row`."""
+    def write_rows(self, rows: mx.array, keys: mx.array, values: mx.array, lengths: mx.array, host_max: int):
+        """Replace whole slots: rows [R] get keys/values [R, H, L, D] (zero
+        past them) and lengths [R]. One scatter however many rows refill."""
         L = keys.shape[2]
-        self._reserve(max(L, 1), keys, values)
-        self.zero_row(row)
-        if L:
-            self.keys[row : row + 1, :, :L] = keys
-            self.values[row : row + 1, :, :L] = values
-        self.lengths[row] = L
+        if L == 0:  # nothing to write (one-token prompts have no head pairs)
+            self.zero_rows(rows, host_max)
+            self.lengths[rows] = lengths.astype(mx.int32)
+            return
+        self._reserve(L, keys, values)
+        cap = self.keys.shape[2]
+        pad = [(0, 0), (0, 0), (0, cap - L), (0, 0)]
+        self.keys[rows] = mx.pad(keys, pad).astype(self.keys.dtype)
+        self.values[rows] = mx.pad(values, pad).astype(self.values.dtype)
+        self.lengths[rows] = lengths.astype(mx.int32)
         self.host_max = int(host_max)
 
-    def zero_row(self, row: int):
+    def zero_rows(self, rows: mx.array, host_max: int):
         if self.keys is not None:
-            self.keys[row] = 0
-            self.values[row] = 0
-        self.lengths[row] = 0
-
-    def copy_row(self, src: int, dst: int):
-        if self.keys is not None:
-            self.keys[dst] = self.keys[src]
-            self.values[dst] = self.values[src]
-        self.lengths[dst] = self.lengths[src]
+            self.keys[rows] = 0
+            self.values[rows] = 0
+        self.lengths[rows] = 0
+        self.host_max = int(host_max)
 
     @property
     def state(self):
@@ -161,20 +161,16 @@ class SlotGDNCache:
             q, k, v, a, b, A_log, dt_bias, state_before, step_mask, use_kernel=False
         )
 
-    def load_row(self, row: int, conv: mx.array, state: mx.array):
+    def write_rows(self, rows: mx.array, conv: mx.array, state: mx.array):
+        """Replace whole slots: conv [R, K-1, C], state [R, Hv, Dv, Dk]."""
         self.ensure(conv.shape[1:], conv.dtype, state.shape[1:])
-        self.conv[row] = conv[0]
-        self.state[row] = state[0].astype(self.state.dtype)
+        self.conv[rows] = conv.astype(self.conv.dtype)
+        self.state[rows] = state.astype(self.state.dtype)
 
-    def zero_row(self, row: int):
+    def zero_rows(self, rows: mx.array):
         if self.conv is not None:
-            self.conv[row] = 0
-            self.state[row] = 0
-
-    def copy_row(self, src: int, dst: int):
-        if self.conv is not None:
-            self.conv[dst] = self.conv[src]
-            self.state[dst] = self.state[src]
+            self.conv[rows] = 0
+            self.state[rows] = 0
 
     @property
     def nbytes(self) -> int:

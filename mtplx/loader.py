@@ -77,7 +77,9 @@ class MTPModel:
 
     def make_cache(self):
         """Plain mlx-lm caches (batch 1 prefill, reference decoding)."""
-        return self.trunk.make_cache()
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.trunk)
 
     def make_head_cache(self):
         from mlx_lm.models.cache import KVCache

@@ -15,7 +15,7 @@ The host syncs once per cycle, to read accepted counts and tokens.
 from __future__ import annotations
 
 import time
-from collections import deque
+from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -123,32 +123,32 @@ class MTPLXRuntime:
                     yield finished
                     continue
                 batch.load(b, pre, row, first)
+        batch.flush()
         batch.sampling = batch_sampling(
             [r.req.sampling if r is not None else SamplingParams() for r in batch.rows]
         )
 
-    def prepare(self, req: Request, sample_index: int, seed: int, pre: Optional[Prefilled]):
-        """Prefill (shared by a request's samples) and the first token of one sample."""
+    def prepare(self, req: Request, seed: int) -> "_Prepared":
+        """Prefill a request once and draw the first token of each of its n
+        samples from the prefill logits (one vectorised draw)."""
+        ids = self._encode(req)
+        t0 = time.perf_counter()
+        pre = prefill(self.model, ids, self.contract.prefill_chunk, with_head=self.depth > 0)
+        self.stats["prefill_seconds"] += time.perf_counter() - t0
+        self.stats["prefill_tokens"] += len(ids)
+        n = req.n
         key_hash = _key_hash(req)
-        if pre is None:
-            ids = self._encode(req)
-            t0 = time.perf_counter()
-            pre = prefill(self.model, ids, self.contract.prefill_chunk, with_head=self.depth > 0)
-            self.stats["prefill_seconds"] += time.perf_counter() - t0
-            self.stats["prefill_tokens"] += len(ids)
-        row = Row(req, sample_index, key_hash, pre.length, self.depth)
-        bad = nonfinite_rows(pre.last_logits)
-        keys = position_keys(seed, [key_hash], [sample_index], mx.zeros((1, 1), dtype=mx.int32))
-        p = target_probs(pre.last_logits[:, None], batch_sampling([req.sampling]))  # [1, 1, V]
-        p = replace_nonfinite_rows(p, bad)
+        bad = nonfinite_rows(pre.last_logits)  # [1]
+        keys = position_keys(seed, [key_hash] * n, list(range(n)), mx.zeros((n, 1), dtype=mx.int32))  # [n, 1, 2]
+        logits = mx.broadcast_to(pre.last_logits[:, None], (n, 1, pre.last_logits.shape[-1]))  # [n, 1, V]
+        p = replace_nonfinite_rows(target_probs(logits, batch_sampling([req.sampling] * n)), mx.broadcast_to(bad, (n,)))
         _, first = speculative_accept(
-            mx.zeros((1, 0), dtype=mx.int32), p[:, :0], p, keys, rule=self.contract.acceptance, check_finite=False
-        )
-        first = int(first.item())
-        row.tokens.append(first)
-        if row.logprobs is not None:
-            row.logprobs.append(float(log_softmax_f32(pre.last_logits)[0, first].item()))
-        return pre, row, first, bool(bad.item())
+            mx.zeros((n, 0), dtype=mx.int32), p[:, :0], p, keys, rule=self.contract.acceptance, check_finite=False
+        )  # [n]
+        lps = None
+        if req.logprobs:
+            lps = log_softmax_f32(pre.last_logits)[0][first].tolist()
+        return _Prepared(req, pre, key_hash, first.tolist(), lps, bool(bad.item()))
 
     def _encode(self, req: Request) -> List[int]:
         if isinstance(req.prompt, str):
@@ -340,13 +340,30 @@ class PromptError(ValueError):
     """A prompt the runtime cannot decode; its row ends with an error."""
 
 
+@dataclass
+class _Prepared:
+    req: Request
+    pre: Prefilled
+    key_hash: int
+    first_tokens: List[int]  # [n] one per sample
+    first_logprobs: Optional[List[float]]
+    nonfinite: bool
+
+    def row(self, s: int, depth: int) -> Row:
+        row = Row(self.req, s, self.key_hash, self.pre.length, depth)
+        row.tokens.append(self.first_tokens[s])
+        if row.logprobs is not None:
+            row.logprobs.append(self.first_logprobs[s])
+        return row
+
+
 class _Samples:
     """Expands requests into (request, sample) rows; a request's n samples
     share one prefill (its caches are copied into each sample's slot)."""
 
     def __init__(self, requests: Iterator[Request]):
         self.requests = requests
-        self.current = None  # (req, prefilled, next sample index)
+        self.current = None  # [request, _Prepared or error message, next sample]
         self.exhausted = False
 
     def next(self, rt: MTPLXRuntime, seed: int):
@@ -356,22 +373,21 @@ class _Samples:
                 if req is None:
                     self.exhausted = True
                     return None
-                self.current = [req, None, 0]
-            req, pre, s = self.current
+                try:
+                    self.current = [req, rt.prepare(req, seed), 0]
+                except PromptError as e:
+                    self.current = [req, str(e), 0]  # every sample is an error row
+            req, prepared, s = self.current
             if s >= req.n:
                 self.current = None
                 continue
             self.current[2] = s + 1
-            try:
-                pre, row, first, bad = rt.prepare(req, s, seed, pre)
-            except PromptError as e:
-                # Every sample of a bad prompt is an error row.
-                return "done", error_completion(req, s, str(e))
-            self.current[1] = pre
-            if bad:
-                c = error_completion(req, s, "non-finite logits at completion position 0", pre.length)
-                return "done", c
-            return "row", (pre, row, first)
+            if isinstance(prepared, str):
+                return "done", error_completion(req, s, prepared)
+            if prepared.nonfinite:
+                msg = "non-finite logits at completion position 0"
+                return "done", error_completion(req, s, msg, prepared.pre.length)
+            return "row", (prepared.pre, prepared.row(s, rt.depth), prepared.first_tokens[s])
 
 
 def _key_hash(req: Request) -> int:

@@ -60,6 +60,8 @@ class SlotBatch:
         self.head_logits = None  # [B, V] q_1 logits for the next cycle
         self.head_hidden = None  # [B, H] head output fed to depth 2
         self.sampling = None  # BatchSampling of the rows in the slots
+        self._loads = []  # (slot, Prefilled, first token) waiting for flush
+        self._released = set()  # slots to zero at flush
 
     # -- occupancy -------------------------------------------------------
     def free_slots(self) -> List[int]:
@@ -72,46 +74,66 @@ class SlotBatch:
         return any(r is not None for r in self.rows)
 
     # -- moving prefilled state in and out -------------------------------
+    # Loads and releases are staged and applied by `flush` in one scatter per
+    # cache, so refilling many slots costs a few ops, not a copy per row.
     def load(self, b: int, pre: Prefilled, row: Row, first_token: int):
-        L = pre.length
-        self.trunk_len[b] = L
-        for slot, c in zip(self.trunk, pre.trunk_cache):
-            if isinstance(slot, SlotGDNCache):
-                slot.load_row(b, c[0], c[1])
-            else:
-                slot.load_row(b, c.keys[..., :L, :], c.values[..., :L, :], int(self.trunk_len.max()))
-        if self.head:
-            self.head_len[b] = L - 1
-            for slot, c in zip(self.head, pre.head_cache):
-                if c.keys is None:
-                    slot.zero_row(b)
-                    slot.set_lengths(slot.lengths, int(self.head_len.max()))
-                else:
-                    slot.load_row(b, c.keys[..., : L - 1, :], c.values[..., : L - 1, :], int(self.head_len.max()))
-            H = pre.last_hidden.shape[-1]
-            if self.cu_hidden is None:
-                self.cu_hidden = mx.zeros((self.size, self.depth + 1, H), dtype=pre.last_hidden.dtype)
-            self.cu_hidden[b] = 0
-            self.cu_hidden[b, 0] = pre.last_hidden[0]
-            self.cu_tokens[b] = 0
-            self.cu_tokens[b, 0] = first_token
-            self.cu_take[b] = 0
-            self.cu_keep[b] = 1
-        self.primary[b] = first_token
         self.rows[b] = row
+        self.trunk_len[b] = pre.length
+        self.head_len[b] = pre.length - 1 if self.head else 0
+        self.cu_take[b] = 0
+        self.cu_keep[b] = 1 if self.head else 0
+        self._released.discard(b)
+        self._loads.append((b, pre, first_token))
 
     def release(self, b: int):
-        """Zero a finished row's slot so nothing of it (NaN included) survives."""
-        for c in self.trunk + self.head:
-            c.zero_row(b)
+        """Free a finished row's slot; `flush` zeroes it so nothing of it
+        (NaN included) survives into the next row."""
+        self.rows[b] = None
         self.trunk_len[b] = 0
         self.head_len[b] = 0
         self.cu_keep[b] = 0
         self.cu_take[b] = 0
-        self.primary[b] = 0
-        if self.cu_hidden is not None:
-            self.cu_hidden[b] = 0
-        self.rows[b] = None
+        self._released.add(b)
+
+    def flush(self):
+        if self._released:
+            rows = mx.array(sorted(self._released), dtype=mx.int32)
+            for c in self.trunk:
+                c.zero_rows(rows) if isinstance(c, SlotGDNCache) else c.zero_rows(rows, int(self.trunk_len.max()))
+            for c in self.head:
+                c.zero_rows(rows, int(self.head_len.max()))
+            self.primary[rows] = 0
+            if self.cu_hidden is not None:
+                self.cu_hidden[rows] = 0
+            self._released.clear()
+        if not self._loads:
+            return
+        rows = mx.array([b for b, _, _ in self._loads], dtype=mx.int32)  # [R]
+        pres = [pre for _, pre, _ in self._loads]
+        lengths = mx.array([pre.length for pre in pres], dtype=mx.int32)  # [R]
+        for i, slot in enumerate(self.trunk):
+            if isinstance(slot, SlotGDNCache):
+                conv = _stack(pres, lambda p: p.trunk_cache[i][0])  # [R, K-1, C]
+                state = _stack(pres, lambda p: p.trunk_cache[i][1])  # [R, Hv, Dv, Dk]
+                slot.write_rows(rows, conv, state)
+            else:
+                k, v = _stack_kv(pres, lambda p: p.trunk_cache[i], lambda p: p.length)
+                slot.write_rows(rows, k, v, lengths, int(self.trunk_len.max()))
+        for j, slot in enumerate(self.head):
+            k, v = _stack_kv(pres, lambda p: p.head_cache[j], lambda p: p.length - 1)
+            slot.write_rows(rows, k, v, lengths - 1, int(self.head_len.max()))
+        firsts = mx.array([t for _, _, t in self._loads], dtype=mx.int32)  # [R]
+        self.primary[rows] = firsts
+        if self.head:
+            last = _stack(pres, lambda p: p.last_hidden)  # [R, H]
+            if self.cu_hidden is None:
+                self.cu_hidden = mx.zeros((self.size, self.depth + 1, last.shape[-1]), dtype=last.dtype)
+            pad = mx.zeros((len(pres), self.depth, last.shape[-1]), dtype=last.dtype)
+            self.cu_hidden[rows] = mx.concatenate([last[:, None], pad], axis=1)
+            tok = mx.zeros((len(pres), self.depth + 1), dtype=mx.int32)
+            tok[:, 0] = firsts
+            self.cu_tokens[rows] = tok
+        self._loads.clear()
 
     # -- commit ------------------------------------------------------------
     def commit_trunk(self, keep: np.ndarray, all_kept: bool):
@@ -130,3 +152,44 @@ class SlotBatch:
         dev = mx.array(lengths.astype(np.int32))
         for c in self.head:
             c.set_lengths(dev, int(lengths.max()))
+
+
+def _stack(pres: List[Prefilled], get) -> mx.array:
+    """Concatenate one [1, ...] array per prefill along the batch axis. Rows
+    that share a prefill (a request's n samples, loaded one after another)
+    share one broadcast."""
+    out, i = [], 0
+    while i < len(pres):
+        j = i
+        while j < len(pres) and pres[j] is pres[i]:
+            j += 1
+        x = get(pres[i])
+        out.append(mx.broadcast_to(x, (j - i, *x.shape[1:])))
+        i = j
+    return mx.concatenate(out, axis=0)
+
+
+def _stack_kv(pres: List[Prefilled], get_cache, get_len):
+    """Keys and values [R, H, Lmax, D] of mlx-lm KVCaches, zero past each length."""
+    L = max(get_len(p) for p in pres)
+    ref = next((get_cache(p) for p in pres if get_cache(p).keys is not None), None)
+    if ref is None or L == 0:
+        return _empty_kv(pres, ref)
+
+    def padded(p, which):
+        c, n = get_cache(p), get_len(p)
+        x = getattr(c, which)
+        if x is None or n == 0:
+            shape = list(getattr(ref, which).shape)
+            return mx.zeros((1, shape[1], L, shape[3]), dtype=getattr(ref, which).dtype)
+        x = x[..., :n, :]
+        return mx.pad(x, [(0, 0), (0, 0), (0, L - n), (0, 0)])
+
+    return _stack(pres, lambda p: padded(p, "keys")), _stack(pres, lambda p: padded(p, "values"))
+
+
+def _empty_kv(pres, ref):
+    # Every prompt is one token long: the head has no pairs yet.
+    shape = (len(pres), 1, 0, 1) if ref is None else (len(pres), ref.keys.shape[1], 0, ref.keys.shape[3])
+    vshape = shape if ref is None else (len(pres), ref.values.shape[1], 0, ref.values.shape[3])
+    return mx.zeros(shape), mx.zeros(vshape)

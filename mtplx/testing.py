@@ -205,3 +205,194 @@ def _qwen_checkpoint(model_type: str, text_type: str, moe: bool, nested: bool):
 FAMILIES["qwen3_5"] = _qwen_checkpoint("qwen3_5", "qwen3_5_text", moe=False, nested=True)
 FAMILIES["qwen3_5_moe"] = _qwen_checkpoint("qwen3_5_moe", "qwen3_5_moe_text", moe=True, nested=True)
 FAMILIES["qwen3_next"] = _qwen_checkpoint("qwen3_next", "qwen3_next", moe=True, nested=False)
+
+
+# -- DeepSeek-V3 / GLM-4.5 (glm4_moe) / GLM-4.7-Flash (glm4_moe_lite) ----------
+
+_DEEPSEEK_MLA = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+
+
+def _deepseek_family_config(model_type: str, o: dict) -> dict:
+    """Tiny configs with the release field names; few trunk layers (MoE from
+    layer 1) so the MTP layer sits at index 2, not mlx-lm's literal 61."""
+    cfg = {
+        "model_type": model_type,
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "n_group": 1,
+        "topk_group": 1,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+    if model_type == "deepseek_v3":
+        cfg.update(_DEEPSEEK_MLA, architectures=["DeepseekV3ForCausalLM"], n_group=2, topk_group=1,
+                   topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1, rms_norm_eps=1e-6,
+                   rope_theta=10000.0, attention_bias=False,
+                   rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    elif model_type == "glm4_moe":
+        cfg.update(architectures=["Glm4MoeForCausalLM"], num_attention_heads=4, head_dim=16,
+                   partial_rotary_factor=0.5, rms_norm_eps=1e-5, rope_theta=1000000.0, rope_scaling=None,
+                   use_qk_norm=False, attention_bias=True)
+    else:  # glm4_moe_lite
+        cfg.update(_DEEPSEEK_MLA, architectures=["Glm4MoeLiteForCausalLM"], topk_method="noaux_tc",
+                   scoring_func="sigmoid", moe_layer_freq=1, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                   rope_scaling=None, partial_rotary_factor=1.0, attention_bias=False)
+    cfg.update(o)
+    return cfg
+
+
+def _deepseek_to_hf(weights: Dict[str, mx.array], args) -> Dict[str, mx.array]:
+    """Undo the trunk sanitize: unstack experts, re-fuse kv_b_proj (MLA)."""
+    out = {}
+    for name, v in weights.items():
+        if ".switch_mlp." in name:
+            prefix, rest = name.split(".switch_mlp.")
+            proj = rest.split(".")[0]
+            out.update({f"{prefix}.experts.{e}.{proj}.weight": v[e] for e in range(v.shape[0])})
+        elif name.endswith(".self_attn.embed_q.weight"):
+            prefix = name[: -len("embed_q.weight")]
+            wk = v.swapaxes(-1, -2)  # [heads, nope, kv_lora]
+            wv = weights[prefix + "unembed_out.weight"]  # [heads, v_dim, kv_lora]
+            kv_b = mx.concatenate([wk, wv], axis=1)  # [heads, nope + v_dim, kv_lora]
+            out[prefix + "kv_b_proj.weight"] = kv_b.reshape(-1, args.kv_lora_rank)
+        elif not name.endswith(".self_attn.unembed_out.weight"):
+            out[name] = v
+    return out
+
+
+def fp8_block_quantize(w: mx.array, block: int = 128):
+    """(fp8 e4m3 bytes, weight_scale_inv) in DeepSeek's layout: w ~ q * scale_inv per block."""
+    m, n = w.shape
+    pm, pn = (-m) % block, (-n) % block
+    blocks = mx.pad(w, ((0, pm), (0, pn))).reshape((m + pm) // block, block, (n + pn) // block, block)
+    scale_inv = mx.maximum(mx.abs(blocks).max(axis=(1, 3)) / 448.0, 1e-12)  # [m/b, n/b]
+    q = mx.to_fp8(blocks / scale_inv[:, None, :, None]).reshape(m + pm, n + pn)[:m, :n]
+    return q, scale_inv
+
+
+def _fp8_layers(tensors: Dict[str, mx.array], block: int) -> Dict[str, mx.array]:
+    # The releases store the decoder layers' projections in fp8; embeddings,
+    # lm heads, norms, the router and eh_proj stay in high precision.
+    out = {}
+    for k, v in tensors.items():
+        if ".layers." in k and k.endswith("_proj.weight") and v.ndim == 2 and "eh_proj" not in k:
+            out[k], out[k + "_scale_inv"] = fp8_block_quantize(v, block)
+        else:
+            out[k] = v
+    return out
+
+
+def _deepseek_checkpoint(model_type: str):
+    def build(o: dict):
+        from mlx_lm.utils import _get_classes
+
+        from .families.deepseek import DeepSeekMTPHead
+
+        config = _deepseek_family_config(model_type, o)
+        model_cls, args_cls = _get_classes(copy.deepcopy(config))
+        args = args_cls.from_dict(copy.deepcopy(config))
+        trunk = model_cls(args)
+        _randomize_norms(trunk)
+        weights = dict(tree_flatten(trunk.parameters()))
+        n_trunk, n_mtp = config["num_hidden_layers"], config["num_nextn_predict_layers"]
+        if n_mtp:
+            head = DeepSeekMTPHead(args, type(trunk.model.layers[-1]), n_trunk, n_mtp)
+            _randomize_norms(head)
+            for name, v in tree_flatten(head.parameters()):
+                weights.update(_deepseek_head_to_hf(name, v, n_trunk, n_mtp))
+        tensors = _deepseek_to_hf(weights, args)
+        qc = config.get("quantization_config") or {}
+        if qc.get("quant_method") == "fp8":
+            tensors = _fp8_layers(tensors, qc.get("weight_block_size", [128, 128])[0])
+        return config, tensors
+
+    return build
+
+
+def _deepseek_head_to_hf(name: str, v: mx.array, n_trunk: int, n_mtp: int) -> Dict[str, mx.array]:
+    if name == "embed_tokens.weight":
+        # Every MTP layer of a release carries a copy of the shared embedding.
+        return {f"model.layers.{n_trunk + j}.embed_tokens.weight": v for j in range(n_mtp)}
+    _, j, rest = name.split(".", 2)  # layers.{j}.rest
+    rest = rest[len("mtp_block."):] if rest.startswith("mtp_block.") else rest
+    return {f"model.layers.{n_trunk + int(j)}.{rest}": v}
+
+
+FAMILIES["deepseek_v3"] = _deepseek_checkpoint("deepseek_v3")
+FAMILIES["glm4_moe"] = _deepseek_checkpoint("glm4_moe")
+FAMILIES["glm4_moe_lite"] = _deepseek_checkpoint("glm4_moe_lite")
+
+
+# -- MiMo -------------------------------------------------------------------------
+
+
+def _mimo_config(o: dict) -> dict:
+    cfg = {
+        "architectures": ["MiMoForCausalLM"],
+        "model_type": "mimo",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_nextn_predict_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 640000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+    cfg.update(o)
+    return cfg
+
+
+@_family("mimo")
+def _mimo_checkpoint(o: dict):
+    from mlx_lm.utils import _get_classes
+
+    from .families.mimo import MiMoMTPHead
+
+    config = _mimo_config(o)
+    model_cls, args_cls = _get_classes(copy.deepcopy(config))
+    args = args_cls.from_dict(copy.deepcopy(config))
+    trunk = model_cls(args)
+    _randomize_norms(trunk)
+    tensors = dict(tree_flatten(trunk.parameters()))  # MiMo's trunk names are the HF names
+    n_mtp = config["num_nextn_predict_layers"]
+    if n_mtp:
+        head = MiMoMTPHead(args, type(trunk.model.layers[0]), n_mtp)
+        _randomize_norms(head)
+        for name, v in tree_flatten(head.parameters()):
+            _, j, rest = name.split(".", 2)  # layers.{j}.rest
+            rest = rest[len("mtp_block."):] if rest.startswith("mtp_block.") else rest
+            tensors[f"model.mtp_layers.{j}.{rest}"] = v
+    return config, tensors

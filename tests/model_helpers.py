@@ -32,13 +32,26 @@ def make_predictable(model, layer_scale: float = 0.3, seed: int = 0):
             head_updates.append((name, p * 0.05))
         elif name.endswith("norm.weight") and p.ndim == 1 and ".layers." not in name:
             head_updates.append((name, mx.ones_like(p)))
-        elif name in ("fc.weight", "eh_proj.weight", "input_proj.weight"):
+        elif name.endswith(("fc.weight", "eh_proj.weight", "input_proj.weight")):
             H = p.shape[0]
             eye = mx.eye(H, dtype=p.dtype)
             zero = mx.zeros((H, H), dtype=p.dtype)
             # Pass the token embedding through, whichever side of the concat it is on.
-            first_is_embedding = name != "input_proj.weight"
+            first_is_embedding = not name.endswith("input_proj.weight")
             head_updates.append((name, mx.concatenate([eye, zero] if first_is_embedding else [zero, eye], axis=1)))
+        elif name.endswith("norm.weight") and p.ndim == 1 and "mtp_block" not in name:
+            head_updates.append((name, mx.ones_like(p)))
+        elif name == "embed_tokens.weight":  # DeepSeek/GLM heads own an embedding
+            head_updates.append((name, model.text_model.embed_tokens.weight))
+        elif name.endswith("shared_head.head.weight"):  # ... and an output head
+            head_updates.append((name, _trunk_lm_head_weight(model)))
     model.head.load_weights(head_updates, strict=False)
     mx.eval(model.trunk.parameters(), model.head.parameters())
     return model
+
+
+def _trunk_lm_head_weight(model):
+    trunk = getattr(model.trunk, "language_model", model.trunk)
+    if "lm_head" in trunk:
+        return trunk.lm_head.weight
+    return model.text_model.embed_tokens.weight

@@ -15,7 +15,7 @@ from model_helpers import make_predictable
 
 VOCAB = 48
 TIE_GAP = 1e-4
-RUNTIME_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+RUNTIME_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"]
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,18 @@ def sanitize_as_trunk_layer(
     """
     presented = {trunk_prefix + k[len(src_prefix):]: v for k, v in tensors.items()}
     presented.update(extra or {})
+    try:
+        sanitized = trunk.sanitize(presented)
+    except KeyError as e:
+        # e.g. expert stacking pops experts.0..E-1: name the checkpoint key.
+        name = str(e.args[0]) if e.args else ""
+        if name.startswith(trunk_prefix):
+            name = src_prefix + name[len(trunk_prefix):]
+        raise CheckpointError(f"missing MTP tensor {name!r}") from None
+    except ValueError as e:
+        raise CheckpointError(f"MTP tensors under {src_prefix!r} cannot be transformed: {e}") from None
     result = {}
-    for k, v in trunk.sanitize(presented).items():
+    for k, v in sanitized.items():
         suffix = _find_layer_suffix(k, trunk_prefix)
         if suffix is not None:
             result[out_prefix + suffix] = v

@@ -149,6 +149,18 @@ def _project(gdn, x):
     return gdn.in_proj_qkv(x), z, gdn.in_proj_b(x), gdn.in_proj_a(x)
 
 
+def _depthwise_conv(x, weight, S: int):
+    """The layer's depthwise causal conv as K shifted multiply-adds: the same
+    sum as its grouped Conv1d, several times faster on the CPU backend.
+    x [B, K-1+S, C], weight [C, K, 1] -> [B, S, C]."""
+    K = weight.shape[1]
+    w = weight[:, :, 0].T  # [K, C]
+    out = x[:, 0:S] * w[0]
+    for j in range(1, K):
+        out = out + x[:, j : j + S] * w[j]
+    return out
+
+
 def gated_delta_verify(gdn, x, cache: SlotGDNCache):
     """The gated-delta layer's forward with its per-step inputs kept for commit.
 
@@ -161,7 +173,7 @@ def gated_delta_verify(gdn, x, cache: SlotGDNCache):
     K = gdn.conv_kernel_size
     cache.ensure((K - 1, gdn.conv_dim), x.dtype, (gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim))
     conv_input = mx.concatenate([cache.conv, mixed], axis=1)  # [B, K-1+S, C]
-    conv_out = nn.silu(gdn.conv1d(conv_input))  # [B, S, C]
+    conv_out = nn.silu(_depthwise_conv(conv_input, gdn.conv1d.weight, S))  # [B, S, C]
     q, k, v = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(
