@@ -49,16 +49,17 @@ class MTPLXRuntime:
                 f"{model.path}: this checkpoint has no MTP head, so it cannot draft "
                 f"(depth={contract.depth!r}); use MTPContract(depth=0) for plain decoding"
             )
-        self.depth = self._resolve_depth()
-        self.eos = set(model.eos_token_ids)
-        self.stats = _new_stats(self.depth)
-
-    def _resolve_depth(self) -> int:
-        if self.contract.depth == "auto":
+        self.auto_depth = None
+        if contract.depth == "auto":
             from .autodepth import choose_depth
 
-            return choose_depth(self.model, self.contract, self.max_batch)
-        return int(self.contract.depth)
+            self.depth, self.auto_depth = choose_depth(model, contract, max_batch)
+        else:
+            self.depth = int(contract.depth)
+        self.eos = set(model.eos_token_ids)
+        self.stats = _new_stats(self.depth)
+        if self.auto_depth is not None:
+            self.stats["auto_depth"] = self.auto_depth
 
     # -- public API ----------------------------------------------------------
     def generate(
