@@ -87,6 +87,9 @@ class BatchSampling(NamedTuple):
     top_p: mx.array  # [B] float32
     min_p: mx.array  # [B] float32
     greedy: mx.array  # [B] bool
+    # Host-side facts, so the hot path never reads the device to branch.
+    any_filter: bool = True  # some sampled row uses top-k / top-p / min-p
+    all_greedy: bool = False
 
 
 def batch_sampling(params: Sequence[SamplingParams]) -> BatchSampling:
@@ -96,6 +99,8 @@ def batch_sampling(params: Sequence[SamplingParams]) -> BatchSampling:
         top_p=mx.array([float(s.top_p) for s in params], dtype=mx.float32),
         min_p=mx.array([float(s.min_p) for s in params], dtype=mx.float32),
         greedy=mx.array([s.greedy for s in params], dtype=mx.bool_),
+        any_filter=any(not s.greedy and (s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0) for s in params),
+        all_greedy=all(s.greedy for s in params),
     )
 
 
@@ -296,13 +301,13 @@ def target_probs(logits: mx.array, bs: BatchSampling) -> mx.array:
     greedy = col(bs.greedy)
     temperature = mx.where(greedy, 1.0, col(bs.temperature))
     z = x / temperature  # [B, T, V]
-    # One tiny host read saves a full-vocabulary sort in the common case
-    # where no row filters.
-    filtering = (bs.top_k > 0) | (bs.top_p < 1.0) | (bs.min_p > 0.0)
-    if mx.any(filtering & mx.logical_not(bs.greedy)).item():
-        z = _filter_logits(z, col(bs.top_k), col(bs.top_p), col(bs.min_p))
-    probs = mx.exp(log_softmax_f32(z))  # [B, T, V]
-    probs = mx.where(greedy, _one_hot(_lowest_argmax(x), V), probs)
+    if bs.all_greedy:
+        probs = _one_hot(_lowest_argmax(x), V)
+    else:
+        if bs.any_filter:  # the full-vocabulary sort only when some row filters
+            z = _filter_logits(z, col(bs.top_k), col(bs.top_p), col(bs.min_p))
+        probs = mx.exp(log_softmax_f32(z))  # [B, T, V]
+        probs = mx.where(greedy, _one_hot(_lowest_argmax(x), V), probs)
     broken = mx.any(mx.isnan(x) | (x == mx.inf), axis=-1, keepdims=True)  # [B, T, 1]
     return mx.where(broken, mx.nan, probs)
 

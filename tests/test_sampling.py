@@ -673,7 +673,10 @@ def test_sampling_params_defaults_are_greedy_and_batch_as_arrays():
     assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
     bs = batch_sampling([SamplingParams(), SamplingParams(0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3)])
     assert isinstance(bs, BatchSampling)
-    assert [x.dtype for x in bs] == [mx.float32, mx.int32, mx.float32, mx.float32, mx.bool_]
+    assert [x.dtype for x in bs[:5]] == [mx.float32, mx.int32, mx.float32, mx.float32, mx.bool_]
+    assert bs.any_filter and not bs.all_greedy
+    assert batch_sampling([SamplingParams()]).all_greedy
+    assert not batch_sampling([SamplingParams(), SamplingParams(0.7)]).any_filter
     assert np.array(bs.greedy).tolist() == [True, False]
     assert np.array(bs.top_k).tolist() == [0, 5]
     with pytest.raises(Exception):
