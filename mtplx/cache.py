@@ -118,6 +118,10 @@ class SlotKVCache:
         return self.keys, self.values, self.lengths
 
     @property
+    def arrays(self):
+        return [self.keys, self.values, self.lengths]
+
+    @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
@@ -140,6 +144,10 @@ class SlotGDNCache:
         if self.conv is None:
             self.conv = mx.zeros((self.batch_size, *conv_shape), dtype=conv_dtype)
             self.state = mx.zeros((self.batch_size, *state_shape), dtype=mx.float32)
+
+    @property
+    def arrays(self):
+        return [self.conv, self.state]
 
     def commit(self, keep: mx.array, all_kept: bool):
         """Keep `keep[b]` of the T verified steps of row b (1 <= keep <= T)."""

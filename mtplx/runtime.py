@@ -34,6 +34,7 @@ from .sampling import (
     speculative_accept,
     target_probs,
 )
+from .cache import SlotKVCache
 from .slots import Row, SlotBatch
 
 
@@ -101,14 +102,20 @@ class MTPLXRuntime:
         lazily; the runtime alone decides batch composition."""
         batch = SlotBatch(self.model, self.max_batch, self.depth)
         waiting = _Samples(iter(requests))
+        inflight = None
         while True:
-            yield from self._refill(batch, waiting, seed)
-            if not batch.any_active():
+            # The next cycle is launched before the host reads the one in
+            # flight, so building and reading overlap with device compute.
+            yield from self._refill(batch, waiting, seed, in_flight=int(inflight is not None))
+            launched = self._launch(batch, seed, int(inflight is not None)) if batch.any_active() else None
+            if inflight is not None:
+                yield from self._collect(batch, inflight)
+            inflight = launched
+            if inflight is None and not batch.any_active() and waiting.exhausted:
                 return
-            yield from self._cycle(batch, seed)
 
     # -- refill --------------------------------------------------------------
-    def _refill(self, batch: SlotBatch, waiting: "_Samples", seed: int) -> Iterator[Completion]:
+    def _refill(self, batch: SlotBatch, waiting: "_Samples", seed: int, in_flight: int) -> Iterator[Completion]:
         for b in batch.free_slots():
             while batch.rows[b] is None and not waiting.exhausted:
                 item = waiting.next(self, seed)
@@ -124,7 +131,7 @@ class MTPLXRuntime:
                     yield finished
                     continue
                 batch.load(b, pre, row, first)
-        batch.flush()
+        batch.flush(in_flight)
         batch.sampling = batch_sampling(
             [r.req.sampling if r is not None else SamplingParams() for r in batch.rows]
         )
@@ -169,27 +176,30 @@ class MTPLXRuntime:
             )
         return ids
 
-    # -- one decode cycle ----------------------------------------------------
-    def _cycle(self, batch: SlotBatch, seed: int) -> List[Completion]:
+    # -- one decode cycle (device only: nothing here waits for the host) ----
+    def _launch(self, batch: SlotBatch, seed: int, in_flight: int) -> "_InFlight":
         t0 = time.perf_counter()
         k = self.depth
-        active = batch.active()
-        emitted = np.array([len(r.tokens) if r is not None else 0 for r in batch.rows])
-        remaining = np.array([r.req.max_tokens - len(r.tokens) if r is not None else 1 for r in batch.rows])
-        num_valid = np.clip(remaining - 1, 0, k)  # rows near max_tokens draft fewer
+        rows = list(batch.rows)
+        span = batch.span_bound(batch.trunk_len, in_flight)
         keys = position_keys(
             seed,
-            [r.key_hash if r is not None else 0 for r in batch.rows],
-            [r.sample_index if r is not None else 0 for r in batch.rows],
-            mx.array(emitted[:, None] + np.arange(k + 1)[None, :], dtype=mx.int32),
-        )  # [B, k+1, 2]
+            [r.key_hash if r is not None else 0 for r in rows],
+            [r.sample_index if r is not None else 0 for r in rows],
+            batch.emitted[:, None] + mx.arange(k + 1, dtype=mx.int32)[None, :],
+        )  # [B, k+1, 2]: the key of each completion position this cycle decides
+        num_valid = mx.clip(batch.max_tokens - batch.emitted - 1, 0, k)  # [B] rows near max_tokens draft fewer
 
         if k > 0:
-            self._head_catch_up(batch)
-            drafts, q = self._draft(batch, keys)  # [B, k], [B, k, V]
+            self._head_catch_up(batch, span)
+            drafts, q = self._draft(batch, keys, span)  # [B, k], [B, k, V]
         else:
             drafts = mx.zeros((batch.size, 0), dtype=mx.int32)
             q = None
+        before = [c.lengths if isinstance(c, SlotKVCache) else None for c in batch.trunk]
+        for c in batch.trunk:
+            if isinstance(c, SlotKVCache):
+                c.host_max = span
         verify_in = mx.concatenate([batch.primary[:, None], drafts], axis=1)  # [B, k+1]
         logits, hidden = self.model.forward(verify_in, batch.trunk)  # [B, k+1, V], [B, k+1, H]
         # A non-finite position j only matters if the row gets that far: its
@@ -198,55 +208,55 @@ class MTPLXRuntime:
         first_bad = mx.where(mx.any(bad_pos, axis=1), mx.argmax(bad_pos, axis=1), k + 1)  # [B]
         p = target_probs(mx.where(bad_pos[..., None], 0.0, logits), batch.sampling)  # [B, k+1, V]
         q = p[:, :0] if q is None else q
-        nv = mx.minimum(mx.array(num_valid.astype(np.int32)), first_bad.astype(mx.int32))  # [B]
+        nv = mx.minimum(num_valid, first_bad.astype(mx.int32))  # [B]
         accepted, nxt = speculative_accept(
             drafts, q, p, keys, num_valid=nv, rule=self.contract.acceptance, check_finite=False
-        )
+        )  # [B], [B]
         bad = first_bad == accepted  # [B]
         emitted_ids = mx.where(
             mx.arange(k + 1)[None, :] == accepted[:, None],
             nxt[:, None],
             mx.concatenate([drafts, nxt[:, None]], axis=1),
         )  # [B, k+1]: d_1..d_a, then the correction/bonus at index a
-        want_lp = any(r is not None and r.logprobs is not None for r in batch.rows)
+        want_lp = any(r is not None and r.logprobs is not None for r in rows)
         lp = _token_logprobs(logits, emitted_ids) if want_lp else None
-        mx.eval(accepted, emitted_ids, bad, nv, *(x for x in (lp,) if x is not None))
-        a = np.array(accepted).astype(np.int64)
-        ids = np.array(emitted_ids)
-        bad_np = np.array(bad)
-        nv_np = np.array(nv)
 
-        keep = np.where(active, a + 1, 0)
-        batch.commit_trunk(keep, all_kept=bool(np.all(a[active] == k)) if active.any() else True)
-        if k > 0:
-            self._stage_catch_up(batch, hidden, emitted_ids, a, active)
+        keep = mx.where(batch.active, accepted + 1, 0)  # [B]
+        batch.commit_trunk(before, keep, all_kept=(k == 0), span=span + k + 1)
+        if k > 0:  # next cycle's depth-1 inputs: (H_0, d_1)..(H_{a-1}, d_a), (H_a, c)
+            batch.cu_hidden = hidden
+            batch.cu_tokens = emitted_ids.astype(mx.int32)
+            batch.cu_take = mx.where(batch.active, accepted, 0)
+            batch.cu_keep = keep
         batch.primary = nxt.astype(mx.int32)
+        batch.emitted = batch.emitted + keep
+        outputs = [accepted, emitted_ids, nv, bad] + ([lp] if lp is not None else [])
+        mx.async_eval(outputs + batch.cache_state())
         self.stats["cycles"] += 1
-        finished = self._emit(batch, a, ids, nv_np, bad_np, None if lp is None else np.array(lp))
         self.stats["decode_seconds"] += time.perf_counter() - t0
-        return finished
+        return _InFlight(rows, accepted, emitted_ids, nv, bad, lp)
 
-    def _head_catch_up(self, batch: SlotBatch):
+    def _head_catch_up(self, batch: SlotBatch, span: int):
         """Write each row's pending verified pairs into every head layer; keep
         the depth-1 output at the primary's pair for drafting."""
         head = self.model.head
-        take = mx.array(batch.cu_take.astype(np.int32))
-        before = batch.head_len.copy()
-        for j, c in enumerate(batch.head):
+        before = batch.head_lengths()
+        for c in batch.head:
+            c.host_max = span
+        for j in range(len(batch.head)):
             logits, out = head(batch.cu_hidden, batch.cu_tokens, cache=batch.head, depth=j + 1)
             if j == 0:
-                batch.head_logits = _take_rows(logits, take)  # [B, V]
-                batch.head_hidden = _take_rows(out, take)  # [B, H]
-        batch.head_len = before + batch.cu_keep
-        batch.set_head_lengths(batch.head_len)
-        batch.cu_keep[:] = 0
+                batch.head_logits = _take_rows(logits, batch.cu_take)  # [B, V]
+                batch.head_hidden = _take_rows(out, batch.cu_take)  # [B, H]
+        batch.set_head_lengths([l + batch.cu_keep for l in before], span + self.depth + 1)
 
-    def _draft(self, batch: SlotBatch, keys: mx.array):
+    def _draft(self, batch: SlotBatch, keys: mx.array, span: int):
         """d_1..d_k per row; depth i>1 feeds the head its own output back."""
         k = self.depth
         head = self.model.head
         rule = self.contract.acceptance
         logits, hidden = batch.head_logits, batch.head_hidden  # [B, V], [B, H]
+        committed = batch.head_lengths()
         drafts, qs = [], []
         for i in range(1, k + 1):
             # A head gone non-finite only costs acceptance: any q is exact.
@@ -259,40 +269,42 @@ class MTPLXRuntime:
                 lg, out = head(hidden[:, None], d_i, cache=batch.head, depth=i + 1)
                 logits, hidden = lg[:, 0], out[:, 0]
         if k > 1:  # roll back the entries written from the head's own hidden
-            batch.set_head_lengths(batch.head_len)
+            batch.set_head_lengths(committed, span + self.depth + 1)
         return mx.concatenate(drafts, axis=1), mx.concatenate(qs, axis=1)
 
-    def _stage_catch_up(self, batch, hidden, emitted_ids, a, active):
-        # Next cycle's depth-1 inputs: (H_0, d_1)..(H_{a-1}, d_a), (H_a, c).
-        batch.cu_hidden = hidden
-        batch.cu_tokens = emitted_ids.astype(mx.int32)
-        batch.cu_take = np.where(active, a, 0)
-        batch.cu_keep = np.where(active, a + 1, 0)
-
-    # -- emit and stop rules (host) -----------------------------------------
-    def _emit(self, batch, a, ids, nv, bad, lp) -> List[Completion]:
+    # -- reading a finished cycle (host) -------------------------------------
+    def _collect(self, batch: SlotBatch, inf: "_InFlight") -> List[Completion]:
+        t0 = time.perf_counter()
+        a = np.array(inf.accepted).astype(np.int64)  # waits for the cycle
+        ids = np.array(inf.emitted_ids)
+        nv = np.array(inf.nv)
+        bad = np.array(inf.bad)
+        lp = None if inf.logprobs is None else np.array(inf.logprobs)
         finished = []
-        for b, row in enumerate(batch.rows):
-            if row is None:
-                continue
-            row.steps += 1
-            row.drafted[: nv[b]] += 1
-            row.accepted[: a[b]] += 1
-            if bad[b]:
-                pos = len(row.tokens)
-                finished.append(self._complete(row, "error", f"non-finite logits at completion position {pos}"))
-                batch.release(b)
-                continue
-            new = [int(t) for t in ids[b, : a[b] + 1]]
-            if lp is not None and row.logprobs is not None:
-                row.logprobs.extend(float(x) for x in lp[b, : a[b] + 1])
-            row.tokens.extend(new)
-            self.stats["decode_tokens"] += len(new)
-            done = self._finish_if_done(row, new)
+        for b, row in enumerate(inf.rows):
+            if row is None or batch.rows[b] is not row:
+                continue  # the slot's row finished before this cycle was read
+            batch.trunk_len[b] += a[b] + 1
+            done = self._emit_row(row, a[b], ids[b], nv[b], bad[b], None if lp is None else lp[b])
             if done is not None:
                 finished.append(done)
                 batch.release(b)
+        self.stats["decode_seconds"] += time.perf_counter() - t0
         return finished
+
+    # -- emit and stop rules (host) -----------------------------------------
+    def _emit_row(self, row: Row, a: int, ids, nv: int, bad: bool, lp) -> Optional[Completion]:
+        row.steps += 1
+        row.drafted[:nv] += 1
+        row.accepted[:a] += 1
+        if bad:
+            return self._complete(row, "error", f"non-finite logits at completion position {len(row.tokens)}")
+        new = [int(t) for t in ids[: a + 1]]
+        if lp is not None and row.logprobs is not None:
+            row.logprobs.extend(float(x) for x in lp[: a + 1])
+        row.tokens.extend(new)
+        self.stats["decode_tokens"] += len(new)
+        return self._finish_if_done(row, new)
 
     def _finish_if_done(self, row: Row, new: List[int]) -> Optional[Completion]:
         """Apply EOS / stop ids / stop strings / max_tokens to a row's new tokens."""
@@ -339,6 +351,18 @@ class MTPLXRuntime:
 
 class PromptError(ValueError):
     """A prompt the runtime cannot decode; its row ends with an error."""
+
+
+@dataclass
+class _InFlight:
+    """A launched cycle: the rows it ran for and its device outputs."""
+
+    rows: list
+    accepted: mx.array  # [B]
+    emitted_ids: mx.array  # [B, k+1]
+    nv: mx.array  # [B]
+    bad: mx.array  # [B]
+    logprobs: Optional[mx.array]  # [B, k+1]
 
 
 @dataclass

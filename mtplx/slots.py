@@ -38,8 +38,14 @@ class Row:
 
 
 class SlotBatch:
-    """Caches of `size` slots. Trunk and head lengths are mirrored on the host
-    (they change only at commit), so no cycle needs a sync to know them."""
+    """Caches and per-row state of `size` slots.
+
+    Everything a cycle needs lives on the device (lengths, emitted counts,
+    the head's pending inputs), so a cycle can be launched before the host
+    has read the previous one. The host keeps exact lengths as of the last
+    cycle it read and uses them, plus the cycles in flight, as an upper bound
+    on the span attention has to read.
+    """
 
     def __init__(self, model, size: int, depth: int):
         self.size = size
@@ -47,18 +53,21 @@ class SlotBatch:
         self.trunk = make_slot_caches(model.layer_kinds, size)
         n_head = model.num_head_layers if depth > 0 else 0
         self.head = [SlotKVCache(size) for _ in range(n_head)]
+        self.rows: List[Optional[Row]] = [None] * size
+        # Exact lengths as of the last cycle the host read.
         self.trunk_len = np.zeros(size, dtype=np.int64)
         self.head_len = np.zeros(size, dtype=np.int64)
-        self.rows: List[Optional[Row]] = [None] * size
+        # Device state per slot.
         self.primary = mx.zeros((size,), dtype=mx.int32)  # [B] last emitted token
-        # The head's pending depth-1 inputs (catch-up pairs + the new primary):
-        width = max(depth, 0) + 1
+        self.emitted = mx.zeros((size,), dtype=mx.int32)  # [B] tokens emitted so far
+        self.max_tokens = mx.ones((size,), dtype=mx.int32)  # [B]
+        self.active = mx.zeros((size,), dtype=mx.bool_)  # [B]
+        # The head's pending depth-1 inputs: the last verify's pairs with the
+        # new primary at index cu_take; cu_keep of them are committed.
         self.cu_hidden = None  # [B, k+1, H], allocated on first load
-        self.cu_tokens = mx.zeros((size, width), dtype=mx.int32)  # [B, k+1]
-        self.cu_take = np.zeros(size, dtype=np.int64)  # index of the primary's pair
-        self.cu_keep = np.zeros(size, dtype=np.int64)  # pairs to commit per row
-        self.head_logits = None  # [B, V] q_1 logits for the next cycle
-        self.head_hidden = None  # [B, H] head output fed to depth 2
+        self.cu_tokens = mx.zeros((size, depth + 1), dtype=mx.int32)  # [B, k+1]
+        self.cu_take = mx.zeros((size,), dtype=mx.int32)  # [B]
+        self.cu_keep = mx.zeros((size,), dtype=mx.int32)  # [B]
         self.sampling = None  # BatchSampling of the rows in the slots
         self._loads = []  # (slot, Prefilled, first token) waiting for flush
         self._released = set()  # slots to zero at flush
@@ -67,11 +76,12 @@ class SlotBatch:
     def free_slots(self) -> List[int]:
         return [b for b, r in enumerate(self.rows) if r is None]
 
-    def active(self) -> np.ndarray:
-        return np.array([r is not None for r in self.rows])
-
     def any_active(self) -> bool:
         return any(r is not None for r in self.rows)
+
+    def span_bound(self, lengths: np.ndarray, in_flight: int) -> int:
+        """Max length any row can have with `in_flight` unread cycles."""
+        return int(lengths.max()) + in_flight * (self.depth + 1)
 
     # -- moving prefilled state in and out -------------------------------
     # Loads and releases are staged and applied by `flush` in one scatter per
@@ -80,8 +90,6 @@ class SlotBatch:
         self.rows[b] = row
         self.trunk_len[b] = pre.length
         self.head_len[b] = pre.length - 1 if self.head else 0
-        self.cu_take[b] = 0
-        self.cu_keep[b] = 1 if self.head else 0
         self._released.discard(b)
         self._loads.append((b, pre, first_token))
 
@@ -91,23 +99,28 @@ class SlotBatch:
         self.rows[b] = None
         self.trunk_len[b] = 0
         self.head_len[b] = 0
-        self.cu_keep[b] = 0
-        self.cu_take[b] = 0
         self._released.add(b)
 
-    def flush(self):
+    def flush(self, in_flight: int):
+        trunk_span = self.span_bound(self.trunk_len, in_flight)
+        head_span = self.span_bound(self.head_len, in_flight)
         if self._released:
             rows = mx.array(sorted(self._released), dtype=mx.int32)
             for c in self.trunk:
-                c.zero_rows(rows) if isinstance(c, SlotGDNCache) else c.zero_rows(rows, int(self.trunk_len.max()))
+                c.zero_rows(rows) if isinstance(c, SlotGDNCache) else c.zero_rows(rows, trunk_span)
             for c in self.head:
-                c.zero_rows(rows, int(self.head_len.max()))
+                c.zero_rows(rows, head_span)
+            self.active[rows] = False
             self.primary[rows] = 0
+            self.cu_keep[rows] = 0
+            self.cu_take[rows] = 0
             if self.cu_hidden is not None:
                 self.cu_hidden[rows] = 0
             self._released.clear()
-        if not self._loads:
-            return
+        if self._loads:
+            self._write_loads(trunk_span, head_span)
+
+    def _write_loads(self, trunk_span: int, head_span: int):
         rows = mx.array([b for b, _, _ in self._loads], dtype=mx.int32)  # [R]
         pres = [pre for _, pre, _ in self._loads]
         lengths = mx.array([pre.length for pre in pres], dtype=mx.int32)  # [R]
@@ -118,12 +131,15 @@ class SlotBatch:
                 slot.write_rows(rows, conv, state)
             else:
                 k, v = _stack_kv(pres, lambda p: p.trunk_cache[i], lambda p: p.length)
-                slot.write_rows(rows, k, v, lengths, int(self.trunk_len.max()))
+                slot.write_rows(rows, k, v, lengths, trunk_span)
         for j, slot in enumerate(self.head):
             k, v = _stack_kv(pres, lambda p: p.head_cache[j], lambda p: p.length - 1)
-            slot.write_rows(rows, k, v, lengths - 1, int(self.head_len.max()))
+            slot.write_rows(rows, k, v, lengths - 1, head_span)
         firsts = mx.array([t for _, _, t in self._loads], dtype=mx.int32)  # [R]
         self.primary[rows] = firsts
+        self.emitted[rows] = 1
+        self.max_tokens[rows] = mx.array([self.rows[b].req.max_tokens for b, _, _ in self._loads], dtype=mx.int32)
+        self.active[rows] = True
         if self.head:
             last = _stack(pres, lambda p: p.last_hidden)  # [R, H]
             if self.cu_hidden is None:
@@ -133,25 +149,34 @@ class SlotBatch:
             tok = mx.zeros((len(pres), self.depth + 1), dtype=mx.int32)
             tok[:, 0] = firsts
             self.cu_tokens[rows] = tok
+            self.cu_take[rows] = 0
+            self.cu_keep[rows] = 1
         self._loads.clear()
 
-    # -- commit ------------------------------------------------------------
-    def commit_trunk(self, keep: np.ndarray, all_kept: bool):
+    # -- commit (device only) ----------------------------------------------
+    def commit_trunk(self, before: list, keep: mx.array, all_kept: bool, span: int):
         """Row b keeps keep[b] of the verify entries (0 for empty slots)."""
-        self.trunk_len += keep
-        lengths = mx.array(self.trunk_len.astype(np.int32))
-        host_max = int(self.trunk_len.max())
-        keep_dev = mx.array(np.maximum(keep, 1).astype(np.int32))
-        for c in self.trunk:
+        for c, lengths in zip(self.trunk, before):
             if isinstance(c, SlotGDNCache):
-                c.commit(keep_dev, all_kept)
+                c.commit(mx.maximum(keep, 1), all_kept)
             else:
-                c.set_lengths(lengths, host_max)
+                c.set_lengths(lengths + keep, span)
 
-    def set_head_lengths(self, lengths: np.ndarray):
-        dev = mx.array(lengths.astype(np.int32))
-        for c in self.head:
-            c.set_lengths(dev, int(lengths.max()))
+    def head_lengths(self) -> list:
+        return [c.lengths for c in self.head]
+
+    def set_head_lengths(self, lengths: list, span: int):
+        for c, l in zip(self.head, lengths):
+            c.set_lengths(l, span)
+
+    def cache_state(self) -> list:
+        """The arrays a cycle leaves behind, to evaluate with its outputs."""
+        out = [self.primary, self.emitted, self.cu_tokens, self.cu_take, self.cu_keep]
+        if self.cu_hidden is not None:
+            out.append(self.cu_hidden)
+        for c in self.trunk + self.head:
+            out.extend(x for x in c.arrays if x is not None)
+        return out
 
 
 def _stack(pres: List[Prefilled], get) -> mx.array:
