@@ -1,11 +1,80 @@
-"""The `mtplx` command line."""
+"""The `mtplx` command line.
+
+Exit codes: 0 ok; 1 the job finished but some rows have errors (their count is
+printed); 2 bad job (one line on stderr names the problem); 128 + N when
+stopped by signal N (SIGINT 130, SIGTERM 143) after saving finished rows.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 import click
 
 from .blas import reexec_with_openblas
+from .errors import EXIT_BAD_JOB, JobError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class DepthType(click.ParamType):
+    name = "K|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        try:
+            k = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not an integer or 'auto'", param, ctx)
+        if k < 0:
+            self.fail("depth must be >= 0", param, ctx)
+        return k
+
+
+class MemoryType(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        from .spec import parse_memory
+
+        try:
+            return parse_memory("--max-memory", value)
+        except JobError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _run_options(f):
+    f = click.option("--max-memory", type=MemoryType(), default=None,
+                     help="Memory cap, e.g. 8GB or 512MiB: the runtime's slot count and prefill chunk are sized "
+                          "to fit it (an estimate from the checkpoint; see docs/pipeline.md).")(f)
+    f = click.option("--logprobs", is_flag=True, help="Add a `logprobs` column: the log-probability of each "
+                                                      "completion token under the target model.")(f)
+    f = click.option("--quiet", "-q", is_flag=True, help="No progress bar or info lines (for cron); errors "
+                                                         "still go to stderr.")(f)
+    f = click.option("--dry-run", is_flag=True, help="Validate the spec and input, count rows and prompt tokens, "
+                                                     "report row errors already visible and the planned output; "
+                                                     "the weights are not loaded and nothing is written.")(f)
+    f = click.option("--overwrite", is_flag=True, help="Remove a previous run's parts, manifest and summary in the "
+                                                       "output directory and start over (default: resume).")(f)
+    return f
+
+
+class _Group(click.Group):
+    """Turns a JobError anywhere below into one line on stderr and exit 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except JobError as e:
+            click.echo(f"mtplx: error: {e}", err=True)
+            ctx.exit(EXIT_BAD_JOB)
+        except KeyboardInterrupt:  # before the job installed its own handler
+            click.echo("mtplx: interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="mtplx")
 def cli():
     """MTPLX: batched offline LLM completions over Parquet datasets, sped up
@@ -16,12 +85,141 @@ def cli():
       mtplx run jobs/nightly.toml          run a job spec
       mtplx generate --input P --output O  a job from flags
       mtplx inspect OUT                    summarise an output directory
+
+    \b
+    Exit codes: 0 ok, 1 finished with row errors (count shown),
+    2 bad job (one line names the problem), 130/143 stopped by SIGINT/SIGTERM
+    (finished rows are saved; rerun the same command to resume).
     """
+
+
+@cli.command("run")
+@click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", "model", default=None, help="Checkpoint directory to use instead of the spec's [model] path.")
+@click.option("--output", "output", default=None, type=click.Path(path_type=Path),
+              help="Output directory to use instead of the spec's [output] path.")
+@_run_options
+def run_cmd(job, model, output, overwrite, dry_run, quiet, logprobs, max_memory):
+    """Run the job spec JOB (TOML).
+
+    Rows are written to part-NNNNN.parquet files in the spec's [output] path,
+    with summary.json at the end. Running the same job on the same output
+    directory resumes where it stopped, also after kill -9; a changed spec,
+    model or input there is refused unless --overwrite is given.
+    See docs/pipeline.md for every spec key.
+    """
+    from dataclasses import replace
+
+    from .spec import load_spec
+
+    spec = load_spec(job)
+    if model:
+        spec = replace(spec, model=replace(spec.model, path=str(Path(model).expanduser())))
+    if output:
+        spec = replace(spec, output=replace(spec.output, path=str(Path(output).expanduser())))
+    _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
+
+
+@cli.command("generate")
+@click.option("--input", "input_path", required=True, help="Parquet file, directory or glob of prompts.")
+@click.option("--output", "output_path", required=True, type=click.Path(path_type=Path),
+              help="Output directory for the part files and summary.json.")
+@click.option("--model", default=None, help="Checkpoint directory (default: the built-in model).")
+@click.option("--prompt-column", default="prompt", show_default=True, help="Column holding the prompt text.")
+@click.option("--messages-column", default=None, help="Use a column of chat messages instead (OpenAI format; the "
+                                                      "tokenizer's chat template is applied).")
+@click.option("--id-column", default=None,
+              help="Column of unique row ids [default: `id` when the input has one, else the row index].")
+@click.option("--keep-column", "keep_columns", multiple=True, help="Input column to copy into the output (repeatable).")
+@click.option("--depth", type=DepthType(), default=2, show_default=True,
+              help="MTP draft tokens per cycle; 0 decodes plainly; 'auto' picks from a cost model.")
+@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True, help="Decode slots (rows at once).")
+@click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True, help="Tokens per completion at most.")
+@click.option("-n", "--n", "n", type=click.IntRange(1), default=1, show_default=True, help="Samples per prompt.")
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")
+@click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Job seed; with the row id it "
+                                                                                  "keys every random draw.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--flush-rows", type=click.IntRange(1), default=1000, show_default=True,
+              help="Write a part file every this many rows.")
+@_run_options
+def generate_cmd(input_path, output_path, model, prompt_column, messages_column, id_column, keep_columns, depth,
+                 batch_size, max_tokens, n, temperature, top_p, top_k, min_p, seed, stop, flush_rows,
+                 overwrite, dry_run, quiet, logprobs, max_memory):
+    """Complete every prompt of a Parquet input: a job from flags, run by the
+    same engine as `mtplx run` (same output, resume and exit codes)."""
+    from .spec import spec_from_dict
+
+    doc = {
+        "name": "generate",
+        "model": {"depth": depth, **({"path": model} if model else {})},
+        "input": {"path": input_path, "keep_columns": list(keep_columns)},
+        "prompt": {"messages": messages_column} if messages_column else {"column": prompt_column},
+        "sampling": {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p, "seed": seed},
+        "generation": {"max_tokens": max_tokens, "n": n, "stop": list(stop)},
+        "batch": {"max_batch": batch_size},
+        "output": {"path": str(output_path), "flush_rows": flush_rows},
+    }
+    doc["input"]["id_column"] = id_column or _default_id_column(input_path)
+    if doc["input"]["id_column"] is None:
+        del doc["input"]["id_column"]
+    spec = spec_from_dict(doc)
+    _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
+
+
+def _default_id_column(input_path: str):
+    from .inputs import open_input
+    from .spec import InputSpec
+
+    names = open_input(InputSpec(path=input_path)).column_names()
+    return "id" if "id" in names else None
+
+
+@cli.command("inspect")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
+def inspect_cmd(out, as_json):
+    """Print the summary of the output directory OUT and its acceptance by
+    depth. For a job still running or stopped, totals come from its parts."""
+    from .summary import format_summary, load_or_compute
+
+    s = load_or_compute(out)
+    click.echo(json.dumps(s, indent=2) if as_json else format_summary(s))
+
+
+def _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory):
+    from .runner import RunOptions, run_job
+
+    opts = RunOptions(overwrite=overwrite, dry_run=dry_run, quiet=quiet, logprobs=logprobs, max_memory=max_memory)
+    log = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
+    result = run_job(spec, opts, log=log)
+    if dry_run or not quiet:
+        for line in result.report:
+            click.echo(line)
+    for line in result.warnings:
+        click.echo(line, err=True)
+    sys.exit(result.exit_code)
+
+
+def _add_model_commands() -> None:
+    """convert, inspect-model, train-tiny, bench: defined in model_cli.py."""
+    try:
+        from .model_cli import COMMANDS
+    except ModuleNotFoundError:
+        return
+    for command in COMMANDS:
+        cli.add_command(command)
+
+
+_add_model_commands()
 
 
 def main():
     reexec_with_openblas()
-    cli()
+    cli(prog_name="mtplx")
 
 
 if __name__ == "__main__":

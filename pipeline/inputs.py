@@ -1,0 +1,198 @@
+"""Input sources: Parquet files (a file, a directory or a glob) or a `datasets`
+dataset, streamed as pyarrow record batches so memory never holds the input
+whole. Every failure names the file it came from."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import JobError
+from .spec import InputSpec
+
+_GLOB_CHARS = set("*?[")
+
+
+@dataclass
+class InputSource:
+    label: str  # how messages name the input
+    schema: pa.Schema
+    num_rows: int
+    fingerprint: dict  # identifies the content for the spec hash
+    files: List[Path] = field(default_factory=list)  # Parquet inputs
+    file_schemas: List[pa.Schema] = field(default_factory=list)
+    dataset: object = None  # a datasets.Dataset instead of files
+
+    def column_names(self) -> List[str]:
+        return list(self.schema.names)
+
+    def check_columns(self, columns: Sequence[str]) -> None:
+        """Every file has these columns, with the first file's types."""
+        for f, schema in zip(self.files, self.file_schemas):
+            for c in columns:
+                i = schema.get_field_index(c)
+                if i < 0:
+                    raise JobError(f"Parquet file {f} has no column {c!r} (columns: {', '.join(schema.names)})")
+                if schema.field(i).type != self.schema.field(c).type:
+                    raise JobError(
+                        f"column {c!r} is {schema.field(i).type} in {f} but {self.schema.field(c).type} "
+                        f"in {self.files[0]}; all input files must agree"
+                    )
+
+    def iter_batches(self, columns: Sequence[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+        """Record batches of just `columns`, in a fixed order."""
+        if self.dataset is not None:
+            yield from _dataset_batches(self.dataset, columns, batch_rows)
+            return
+        for f in self.files:
+            yield from _file_batches(f, columns, batch_rows)
+
+
+def open_input(spec: InputSpec) -> InputSource:
+    if spec.dataset is not None:
+        return _open_dataset(spec)
+    files = parquet_files(spec.path)
+    schemas, rows, prints = [], 0, []
+    root = _common_root(files)
+    for f in files:
+        meta, file_schema = _read_footer(f)
+        schemas.append(file_schema)
+        rows += meta.num_rows
+        prints.append(_file_fingerprint(f, root, meta.num_rows))
+    return InputSource(
+        label=spec.path, schema=schemas[0], num_rows=rows, files=files, file_schemas=schemas,
+        fingerprint={"kind": "parquet", "files": prints},
+    )
+
+
+def parquet_files(pattern: str) -> List[Path]:
+    p = Path(pattern)
+    if any(c in pattern for c in _GLOB_CHARS) and not p.exists():
+        files = [Path(f) for f in sorted(glob.glob(pattern, recursive=True)) if Path(f).is_file()]
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*.parquet") if f.is_file() and not _hidden(f, p))
+    elif p.is_file():
+        files = [p]
+    else:
+        raise JobError(f"input not found: {pattern}")
+    if not files:
+        raise JobError(f"no Parquet files in input {pattern}")
+    return files
+
+
+def _hidden(f: Path, root: Path) -> bool:
+    return any(part.startswith((".", "_")) for part in f.relative_to(root).parts)
+
+
+def _read_footer(f: Path):
+    try:
+        meta = pq.read_metadata(f)
+        schema = meta.schema.to_arrow_schema()
+    except (OSError, pa.ArrowException, ValueError) as e:
+        raise JobError(f"corrupt or unreadable Parquet file {f}: {_first_line(e)}") from None
+    return meta, schema
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    line = text.splitlines()[0]
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in line)
+
+
+def _common_root(files: List[Path]) -> Path:
+    if len(files) == 1:
+        return files[0].parent
+    return Path(os.path.commonpath([str(f.resolve()) for f in files]))
+
+
+def _file_fingerprint(f: Path, root: Path, num_rows: int) -> list:
+    """Relative name, size, rows and a hash of the footer (which holds every
+    column chunk's offsets and statistics): changes when the content does."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        fh.seek(max(0, size - 8))
+        tail = fh.read(8)
+        footer_len = int.from_bytes(tail[:4], "little")
+        fh.seek(max(0, size - 8 - footer_len))
+        footer = fh.read(footer_len)
+    try:
+        name = str(f.resolve().relative_to(root))
+    except ValueError:
+        name = f.name
+    return [name, size, num_rows, hashlib.sha256(footer).hexdigest()[:16]]
+
+
+def _file_batches(f: Path, columns: Sequence[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    try:
+        pf = pq.ParquetFile(f)
+    except (OSError, pa.ArrowException, ValueError) as e:
+        raise JobError(f"corrupt or unreadable Parquet file {f}: {_first_line(e)}") from None
+    try:
+        missing = [c for c in columns if c not in pf.schema_arrow.names]
+        if missing:
+            raise JobError(
+                f"Parquet file {f} has no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names)})"
+            )
+        it = pf.iter_batches(batch_size=batch_rows, columns=list(columns))
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except (OSError, pa.ArrowException, ValueError) as e:
+                raise JobError(f"corrupt Parquet file {f}: {_first_line(e)}") from None
+            yield batch
+    finally:
+        pf.close()
+
+
+# ------------------------------------------------------------------ datasets
+
+
+def _open_dataset(spec: InputSpec) -> InputSource:
+    try:
+        import datasets
+    except ImportError:
+        raise JobError("[input] dataset needs the `datasets` package (pip install datasets)") from None
+    name = spec.dataset
+    try:
+        if _saved_to_disk(Path(name)):
+            ds = datasets.load_from_disk(name)
+            if isinstance(ds, datasets.DatasetDict):
+                if spec.split not in ds:
+                    raise JobError(f"dataset {name} has no split {spec.split!r} (splits: {', '.join(ds)})")
+                ds = ds[spec.split]
+        else:
+            ds = datasets.load_dataset(name, spec.dataset_config, split=spec.split)
+    except JobError:
+        raise
+    except Exception as e:  # datasets raises many unrelated types
+        raise JobError(f"cannot load dataset {name!r}: {_first_line(e)}") from None
+    fingerprint = {"kind": "datasets", "fingerprint": getattr(ds, "_fingerprint", None), "rows": ds.num_rows}
+    return InputSource(label=name, schema=ds.data.schema, num_rows=ds.num_rows, fingerprint=fingerprint, dataset=ds)
+
+
+def _saved_to_disk(p: Path) -> bool:
+    """A directory written by Dataset(Dict).save_to_disk, not a hub-style repo."""
+    return (p / "state.json").is_file() or (p / "dataset_dict.json").is_file()
+
+
+def _dataset_batches(ds, columns: Sequence[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    # Arrow-formatted iteration respects index mappings (select/shuffle) and
+    # reads from the memory-mapped cache a batch at a time.
+    view = ds.select_columns(list(columns)).with_format("arrow")
+    for table in view.iter(batch_size=batch_rows):
+        for batch in table.to_batches():
+            yield batch
+
+
+def column_type_name(schema: pa.Schema, name: str) -> Optional[str]:
+    i = schema.get_field_index(name)
+    return None if i < 0 else str(schema.field(i).type)

@@ -1,0 +1,132 @@
+"""`mtplx` commands about models and speed: convert, inspect-model,
+train-tiny, bench. The job commands live in `pipeline/cli.py`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+
+def _fail(message: str):
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+@click.command("convert")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--q-bits", type=click.Choice(["4", "8"]), default=None, help="Quantise the weights to this many bits.")
+@click.option("--q-group-size", type=int, default=64, show_default=True, help="Quantisation group size.")
+@click.option("--keep-head-precision", is_flag=True, help="Quantise the trunk only; keep the MTP head in full precision.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Cast unquantised weights (default: the checkpoint's torch_dtype, as mlx-lm does).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty DST.")
+def convert_cmd(src, dst, q_bits, q_group_size, keep_head_precision, dtype, overwrite):
+    """Convert a Hugging Face checkpoint SRC to MLX in DST, keeping its MTP head.
+
+    The trunk goes through mlx-lm's own conversion; the MTP head (which
+    mlx-lm drops) is written next to it as mtp.safetensors, quantised with the
+    trunk unless --keep-head-precision. `mtplx.load(DST)` then loads both.
+    """
+    from mtplx.convert import convert, format_convert_report
+    from mtplx.mtp_patch import CheckpointError
+
+    try:
+        report = convert(src, dst, q_bits=int(q_bits) if q_bits else None, q_group_size=q_group_size,
+                         quantize_head=not keep_head_precision, dtype=dtype, overwrite=overwrite)
+    except (CheckpointError, FileExistsError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    click.echo(format_convert_report(report))
+
+
+@click.command("inspect-model")
+@click.argument("path", type=click.Path(), required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
+def inspect_model_cmd(path, as_json):
+    """Describe a checkpoint: family, trunk and head parameter counts,
+    dtype/quantisation, head depth, and whether the MTP head is complete.
+    Without PATH, the built-in default model."""
+    from mtplx.model_info import describe_model, format_model_description
+    from mtplx.mtp_patch import CheckpointError
+
+    try:
+        if path is None:
+            from mtplx.assets import default_model_path
+
+            path = default_model_path()
+        d = describe_model(path)
+    except (CheckpointError, FileNotFoundError) as e:
+        _fail(str(e))
+    click.echo(json.dumps(d, indent=2, default=str) if as_json else format_model_description(d))
+
+
+@click.command("train-tiny")
+@click.argument("out", type=click.Path())
+@click.option("--steps", type=int, default=None, help="Training steps (default: the shipped model's recipe).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def train_tiny_cmd(out, steps, seed):
+    """Train the small built-in default model (a Qwen3.5-family trunk with a
+    trained MTP head) from this Python's standard library, and write it to
+    OUT in the Hugging Face layout. Deterministic for a given seed."""
+    from mtplx.train_tiny import DEFAULT_STEPS, train_tiny
+
+    meta = train_tiny(out, steps=steps or DEFAULT_STEPS, seed=seed)
+    click.echo(f"wrote {out} ({meta.get('wall_seconds', 0):.0f} s)")
+
+
+def _csv(kind):
+    def parse(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return tuple(kind(v) for v in value.split(",") if v.strip())
+        except ValueError:
+            raise click.BadParameter(f"expected a comma-separated list, got {value!r}")
+    return parse
+
+
+def _depth(v: str):
+    return "auto" if v.strip() == "auto" else int(v)
+
+
+@click.command("bench")
+@click.option("--model", type=click.Path(), default=None, help="Checkpoint (default: the built-in model).")
+@click.option("--batch-sizes", callback=_csv(int), default="1,4,16", show_default=True)
+@click.option("--depths", callback=_csv(_depth), default="0,1,2,3,auto", show_default=True)
+@click.option("--temperatures", callback=_csv(float), default="0,1", show_default=True)
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--prompts", "num_prompts", type=int, default=None, help="Prompts per run (default: one full batch).")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Alternating baseline/engine pairs per setting.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--output", type=click.Path(), default="bench.json", show_default=True, help="Where the JSON records go.")
+@click.option("--plot", type=click.Path(), default=None, help="Also draw tokens/s against batch size (needs matplotlib).")
+@click.option("--quiet", is_flag=True)
+def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts, repeats, seed, output, plot, quiet):
+    """Benchmark MTPLX against mlx_lm.batch_generate, side by side in one run.
+
+    For each batch size and temperature, on the same prompts and trunk, it
+    alternates baseline and MTPLX runs (each depth and auto) and reports the
+    median of paired ratios, acceptance, and the bare step/verify/head costs
+    that bound what speculation can gain.
+    """
+    from mtplx.bench import run_bench
+    from mtplx.bench_report import format_table, write_plot
+
+    try:
+        records = run_bench(model, batch_sizes=batch_sizes, depths=depths, temperatures=temperatures,
+                            max_tokens=max_tokens, num_prompts=num_prompts, repeats=repeats, seed=seed,
+                            progress=not quiet)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    Path(output).write_text(json.dumps(records, indent=2))
+    click.echo(format_table(records))
+    click.echo(f"records: {output}")
+    if plot:
+        write_plot(records, plot)
+        click.echo(f"plot: {plot}")
+
+
+COMMANDS = [convert_cmd, inspect_model_cmd, train_tiny_cmd, bench_cmd]

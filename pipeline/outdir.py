@@ -1,0 +1,183 @@
+"""The output directory: its manifest, the resume scan and --overwrite.
+
+The part files are the only record of what is done. `manifest.json` is written
+once, before the first part, and holds the hash of everything that decides the
+rows' content (spec, model fingerprint, input fingerprint); a later run on the
+same directory must match it or is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import JobError
+from .ids import KeySet, id_hashes, row_keys
+from .plan import Plan
+
+MANIFEST = "manifest.json"
+SUMMARY = "summary.json"
+PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
+TEMP_SUFFIX = ".tmp"
+
+
+def part_name(number: int) -> str:
+    return f"part-{number:05d}.parquet"
+
+
+def part_files(out: Path) -> List[Path]:
+    if not out.is_dir():
+        return []
+    parts = [p for p in out.iterdir() if PART_RE.match(p.name)]
+    return sorted(parts, key=lambda p: int(PART_RE.match(p.name).group(1)))
+
+
+@dataclass
+class OutputState:
+    path: Path
+    done: KeySet  # keys of every row the parts hold
+    rows_done: int
+    next_part: int
+    existed: bool  # a previous run left a manifest here
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + TEMP_SUFFIX)
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def check_writable(out: Path) -> None:
+    """Refuse an output path that is not a directory we can write, naming it."""
+    if out.exists() and not out.is_dir():
+        raise JobError(f"output path {out} exists and is not a directory")
+    probe_dir = out
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise JobError(f"output directory {out} cannot be created: {probe_dir} is not a directory")
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise JobError(f"output directory {out} is not writable ({probe_dir} denies writing)")
+
+
+def open_output(out: Path, plan: Plan, manifest: dict, *, overwrite: bool, dry_run: bool) -> OutputState:
+    check_writable(out)
+    existed = (out / MANIFEST).exists()
+    if overwrite and not dry_run:
+        clear_output(out)
+        existed = False
+    elif existed:
+        _check_manifest(out, manifest)
+    elif part_files(out) and not overwrite:
+        raise JobError(f"{out} holds part files but no {MANIFEST}; pass --overwrite to start over, or pick another directory")
+    if dry_run:
+        if overwrite:
+            return OutputState(out, KeySet(), 0, 0, False)
+        return _scan_parts(out, plan, existed)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _remove_temp_files(out)
+        if not existed:
+            write_json_atomic(out / MANIFEST, manifest)
+    except OSError as e:
+        raise JobError(f"cannot write to output directory {out}: {e.strerror or e}") from None
+    return _scan_parts(out, plan, existed)
+
+
+def clear_output(out: Path) -> None:
+    """--overwrite: remove what a previous run wrote, and nothing else."""
+    if not out.is_dir():
+        return
+    for p in out.iterdir():
+        if PART_RE.match(p.name) or p.name.endswith(TEMP_SUFFIX) or p.name in (MANIFEST, SUMMARY):
+            try:
+                p.unlink()
+            except OSError as e:
+                raise JobError(f"--overwrite cannot remove {p}: {e.strerror or e}") from None
+
+
+def _remove_temp_files(out: Path) -> None:
+    for p in out.iterdir():
+        if p.name.endswith(TEMP_SUFFIX) and p.is_file():
+            p.unlink()
+
+
+def _check_manifest(out: Path, manifest: dict) -> None:
+    try:
+        old = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise JobError(f"unreadable {out / MANIFEST} ({e}); pass --overwrite to start over") from None
+    if old.get("spec_hash") == manifest["spec_hash"]:
+        return
+    what = changed_parts(old.get("identity", {}), manifest["identity"])
+    raise JobError(
+        f"output directory {out} was written by a different job ({what} changed); "
+        "resume needs the same spec, model and input: pass --overwrite to start over, or pick another output directory"
+    )
+
+
+def changed_parts(old: dict, new: dict) -> str:
+    names = []
+    for key in ("model", "input", "spec"):
+        if old.get(key) != new.get(key):
+            if key == "spec":
+                o, n = old.get("spec", {}) or {}, new.get("spec", {})
+                sections = [s for s in n if o.get(s) != n.get(s)] or ["spec"]
+                names += [f"[{s}]" for s in sections]
+            else:
+                names.append({"model": "the model", "input": "the input data"}[key])
+    return ", ".join(names) or "the spec"
+
+
+def _scan_parts(out: Path, plan: Plan, existed: bool) -> OutputState:
+    parts = part_files(out)
+    chunks, rows = [], 0
+    for p in parts:
+        table = _read_keys(p, plan)
+        ids = table.column(plan.key_column).combine_chunks()
+        hashes = id_hashes(ids)
+        t = _column_or_zero(table, "template_index")
+        s = _column_or_zero(table, "sample_index")
+        chunks.append(row_keys(hashes, t, s))
+        rows += table.num_rows
+    last = int(PART_RE.match(parts[-1].name).group(1)) if parts else -1
+    return OutputState(out, KeySet(chunks), rows, last + 1, existed)
+
+
+def _read_keys(p: Path, plan: Plan) -> pa.Table:
+    try:
+        return pq.read_table(p, columns=list(plan.key_columns))
+    except (OSError, pa.ArrowException, ValueError, KeyError) as e:
+        raise JobError(f"cannot read output part {p}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _column_or_zero(table: pa.Table, name: str) -> np.ndarray:
+    if name not in table.column_names:
+        return np.zeros(table.num_rows, dtype=np.uint64)
+    return table.column(name).to_numpy().astype(np.uint64)

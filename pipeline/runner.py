@@ -1,0 +1,225 @@
+"""Running a job: validate everything, then stream input -> runtime -> parts,
+then summarise. `dry_run` stops before the weights are loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, List, Optional
+
+from .engine import ModelRef, OpenEngine, load_tokenizer, max_context_of, open_engine, read_config, resolve_model
+from .errors import EXIT_OK, EXIT_ROW_ERRORS
+from .ids import KeySet, check_ids
+from .inputs import InputSource, open_input
+from .outdir import SUMMARY, OutputState, open_output, write_json_atomic
+from .packer import length_ordered, requests
+from .plan import Plan, make_plan
+from .progress import Progress
+from .prompts import PromptEncoder
+from .reader import PromptRow, read_rows
+from .rows import completion_row, error_row
+from .scoring import make_scorer
+from .signals import JobInterrupted, Stopper
+from .spec import JobSpec
+from .summary import build_summary, throughput
+from .writer import PartWriter
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    overwrite: bool = False
+    dry_run: bool = False
+    quiet: bool = False
+    logprobs: bool = False  # on top of [generation] logprobs
+    max_memory: Optional[int] = None  # overrides [batch] max_memory
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    summary: Optional[dict] = None
+    report: List[str] = field(default_factory=list)  # for stdout, unless --quiet
+    warnings: List[str] = field(default_factory=list)  # for stderr, always
+
+
+@dataclass
+class Prepared:
+    spec: JobSpec
+    ref: ModelRef
+    source: InputSource
+    plan: Plan
+    manifest: dict
+
+
+def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
+    """Every check that needs no weights: model path, input files, columns, ids."""
+    if opts.logprobs:
+        spec = replace(spec, generation=replace(spec.generation, logprobs=True))
+    if opts.max_memory is not None:
+        spec = replace(spec, batch=replace(spec.batch, max_memory=opts.max_memory))
+    ref = resolve_model(spec.model.path)
+    source = open_input(spec.input)
+    plan = make_plan(spec, source, logprobs=spec.generation.logprobs)
+    if plan.id_column:
+        check_ids(lambda: source.iter_batches([plan.id_column], 65536), plan.id_column, source.label)
+    identity = {"spec": spec.identity(), "model": ref.fingerprint, "input": source.fingerprint}
+    canonical = json.dumps(identity, sort_keys=True, default=str)
+    identity = json.loads(canonical)  # as the manifest will hold it (tuples become lists)
+    spec_hash = hashlib.sha256(canonical.encode()).hexdigest()
+    manifest = {"job": spec.name, "spec_hash": spec_hash, "identity": identity, "schema": [f.name for f in plan.schema]}
+    return Prepared(spec, ref, source, plan, manifest)
+
+
+def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = open_engine, log: Log = print) -> RunResult:
+    started = time.monotonic()
+    job = prepare(spec, opts)
+    if opts.dry_run:
+        return dry_run(job, opts)
+    out = Path(job.spec.output.path)
+    state = open_output(out, job.plan, job.manifest, overwrite=opts.overwrite, dry_run=False)
+    engine = engine_factory(job.ref, job.spec, job.spec.batch.max_memory)
+    todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
+    if not opts.quiet:
+        note = f"resuming: {state.rows_done} rows already in {out}" if state.rows_done else f"writing to {out}"
+        log(f"{job.spec.name}: {note}")
+    t0 = time.monotonic()
+    progress = Progress(max(todo, 0), opts.quiet)
+    stopper = Stopper()
+    writer = PartWriter(out, job.plan.schema, state.next_part, flush_rows=job.spec.output.flush_rows,
+                        flush_seconds=job.spec.output.flush_seconds, stopper=stopper)
+    stopper.install()
+    try:
+        _stream(job, engine, state, writer, progress)
+        writer.flush()
+    except JobInterrupted as e:
+        writer.flush_now()
+        progress.close()
+        msg = f"interrupted by {e}: {writer.rows_written} rows written this run; rerun the same command to resume"
+        return RunResult(128 + e.signum, None, [], [msg])
+    except BaseException:
+        _save_finished_rows(writer)
+        raise
+    finally:
+        stopper.restore()
+        progress.close()
+    run = throughput(engine.stats, time.monotonic() - started, writer.rows_written, progress.tokens)
+    run["startup_seconds"] = t0 - started  # validation, resume scan, model load
+    runtime = {**engine.settings, "stats": engine.stats}
+    model = {"path": str(job.ref.path), "default": job.ref.is_default, "fingerprint": job.ref.fingerprint}
+    summary = build_summary(out, name=job.spec.name, spec=job.spec.to_dict(), manifest=job.manifest, model=model,
+                            input_rows=job.source.num_rows, run=run, runtime=runtime)
+    write_json_atomic(out / SUMMARY, summary)
+    warnings = []
+    if summary["errors"]:
+        warnings.append(f"finished with {summary['errors']} row errors (see the error column of the part files)")
+    return RunResult(EXIT_ROW_ERRORS if summary["errors"] else EXIT_OK, summary, _final_lines(summary), warnings)
+
+
+def _save_finished_rows(writer: PartWriter) -> None:
+    """On an unexpected failure keep what is finished; the original error wins."""
+    try:
+        writer.flush_now()
+    except Exception:
+        pass
+
+
+def _stream(job: Prepared, engine, state: OutputState, writer: PartWriter, progress: Progress) -> None:
+    from mtplx.sampling import SamplingParams
+
+    plan, spec = job.plan, job.spec
+    s = spec.sampling
+    sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+    scorer = make_scorer(spec.evaluation) if spec.evaluation else None
+    encoder = PromptEncoder(spec.prompt, engine.tokenizer)
+    inflight: dict = {}
+
+    def on_error(r: PromptRow) -> None:
+        for sample in r.todo:
+            writer.add(error_row(plan, r, sample))
+            progress.row(0, 0, 0, error=True)
+
+    rows = read_rows(job.source, plan, encoder, state.done)
+    ordered = length_ordered(rows, spec.batch.window, on_error)
+    feed = requests(ordered, plan, engine.request_type, sampling, inflight)
+    for c in engine.stream(feed, seed=s.seed):
+        r = inflight[c.index]
+        r.pending -= 1
+        if r.pending == 0:
+            del inflight[c.index]
+        if c.sample_index not in r.todo:
+            continue  # this sample was already in the output (a partly done row)
+        writer.add(completion_row(plan, r, c, scorer))
+        progress.row(len(c.tokens), sum(c.drafted_by_depth), sum(c.accepted_by_depth), c.finish_reason == "error")
+
+
+def _final_lines(summary: dict) -> List[str]:
+    lines = [
+        f"{summary['job']}: {summary['rows']} rows in {summary['output_dir']} "
+        f"({summary['rows_this_run']} this run, {summary['wall_seconds']:.1f} s); "
+        f"acceptance {_fmt(summary.get('acceptance_rate'))}, "
+        f"mean accepted length {_fmt(summary.get('mean_accepted_length'))}"
+        + (f", accuracy {_fmt(summary.get('accuracy'))}" if "accuracy" in summary else "")
+    ]
+    return lines
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+# ------------------------------------------------------------------ dry run
+
+
+def dry_run(job: Prepared, opts: RunOptions) -> RunResult:
+    spec, plan = job.spec, job.plan
+    out = Path(spec.output.path)
+    state = open_output(out, plan, job.manifest, overwrite=opts.overwrite, dry_run=True)
+    tokenizer = load_tokenizer(job.ref)
+    max_ctx = max_context_of(read_config(job.ref.path))
+    depth = spec.model.depth if isinstance(spec.model.depth, int) else 3
+    encoder = PromptEncoder(spec.prompt, tokenizer)
+    prompts = tokens = longest = over = 0
+    errors: Counter = Counter()
+    for r in read_rows(job.source, plan, encoder, state.done if not opts.overwrite else KeySet()):
+        if r.error is not None:
+            errors[r.error] += len(r.todo)
+            continue
+        prompts += 1
+        tokens += r.prompt_length
+        longest = max(longest, r.prompt_length)
+        if max_ctx is not None and r.prompt_length + spec.generation.max_tokens + depth + 1 > max_ctx:
+            over += len(r.todo)
+    total = job.source.num_rows * plan.variants * plan.n
+    report = [
+        f"job {spec.name}: dry run, the model's weights were not loaded",
+        f"model: {job.ref.path}" + (" (built-in default)" if job.ref.is_default else ""),
+        f"input: {job.source.label}: {job.source.num_rows} rows"
+        + (f" in {_plural(len(job.source.files), 'Parquet file')}" if job.source.files else ""),
+        f"output rows: {total} ({job.source.num_rows} rows x {_plural(plan.variants, 'template')} x n={plan.n}), "
+        f"{state.rows_done} already in the output",
+        f"prompts to run: {prompts}, prompt tokens {tokens}, longest {longest}",
+        f"row errors seen already: {sum(errors.values())}"
+        + "".join(f"\n  {n} x {msg}" for msg, n in errors.most_common(5)),
+        f"over the context ({max_ctx} tokens, with max_tokens {spec.generation.max_tokens}): {over}",
+        f"output: {out} ({_output_state(state, opts)})",
+        f"columns: {', '.join(plan.schema.names)}",
+    ]
+    return RunResult(EXIT_OK, None, report)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _output_state(state: OutputState, opts: RunOptions) -> str:
+    if opts.overwrite:
+        return "--overwrite: previous output would be removed"
+    if state.existed:
+        return f"resume: {state.rows_done} rows in {state.next_part} part numbers used"
+    return "new"

@@ -1,0 +1,65 @@
+"""SIGTERM / SIGINT: stop promptly, but never in the middle of writing a part.
+
+The handler raises `JobInterrupted` where the main thread is, unless a part is
+being written; then the signal is held and raised when the write is done. The
+runner catches it, flushes the rows already finished and exits 128 + signal.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+
+class JobInterrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Stopper:
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self._depth = 0
+        self._pending = None
+        self._previous = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only live in the main thread
+        for s in self.SIGNALS:
+            self._previous[s] = signal.signal(s, self._handle)
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+    def _handle(self, signum, frame):
+        if self._depth:
+            self._pending = signum
+            return
+        raise JobInterrupted(signum)
+
+    @contextmanager
+    def critical(self):
+        """No JobInterrupted inside; a signal that came is raised on leaving."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if not self._depth and self._pending is not None:
+            signum, self._pending = self._pending, None
+            raise JobInterrupted(signum)
+
+    @contextmanager
+    def shielded(self):
+        """Like critical(), but a held signal stays held (for the final flush)."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1

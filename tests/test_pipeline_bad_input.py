@@ -1,0 +1,214 @@
+"""Bad jobs exit 2 with one line naming the problem; bad rows become error
+rows, the job goes on and exits 1. Never a traceback."""
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import invoke, run_cli, write_job, write_parquet
+
+PROMPTS = ["the cat", "a dog is", "hello there", "one two three"]
+
+
+def job_text(inp, out, model, extra="", prompt='column = "prompt"', id_line='id_column = "id"'):
+    return (f'[model]\npath = "{model}"\n[input]\npath = "{inp}"\n{id_line}\n[prompt]\n{prompt}\n'
+            f'[generation]\nmax_tokens = 4\n[output]\npath = "{out}"\n{extra}')
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert "Traceback" not in result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("mtplx: error: ")
+    return lines[0]
+
+
+def parts_rows(out):
+    return pq.read_table(sorted(out.glob("part-*.parquet"))).to_pylist()
+
+
+@pytest.fixture
+def good_input(tmp_path):
+    return write_parquet(tmp_path / "in.parquet", id=[f"r{i}" for i in range(4)], prompt=PROMPTS)
+
+
+def test_missing_prompt_column_names_it_and_lists_the_present_ones(tmp_path, tiny_model):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b"], text=["x", "y"])
+    job = write_job(tmp_path / "j.toml", job_text(inp, tmp_path / "out", tiny_model))
+    line = one_error_line(invoke("run", job))
+    assert "'prompt'" in line and "columns: id, text" in line
+
+
+def test_missing_id_column_names_it(tmp_path, tiny_model):
+    inp = write_parquet(tmp_path / "in.parquet", key=["a", "b"], prompt=["x", "y"])
+    job = write_job(tmp_path / "j.toml", job_text(inp, tmp_path / "out", tiny_model))
+    line = one_error_line(invoke("run", job))
+    assert "'id'" in line and "key, prompt" in line
+
+
+def test_duplicate_ids_are_refused_naming_the_id_and_rows(tmp_path, tiny_model):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b", "c", "b"], prompt=PROMPTS)
+    job = write_job(tmp_path / "j.toml", job_text(inp, tmp_path / "out", tiny_model))
+    line = one_error_line(invoke("run", job))
+    assert "duplicate ids" in line and "'b'" in line and "rows 1 and 3" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_null_empty_and_overlong_prompts_become_error_rows_and_exit_1(tmp_path, tiny_model):
+    prompts = ["the cat", None, "", "x" * 2100, "a dog is"]  # the tiny model's context is 2048
+    inp = write_parquet(tmp_path / "in.parquet", id=list(range(5)), prompt=prompts)
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "j.toml", job_text(inp, out, tiny_model))
+    r = invoke("run", job)
+    assert r.exit_code == 1, r.output
+    assert "3 row errors" in r.stderr and "Traceback" not in r.output
+    rows = {row["id"]: row for row in parts_rows(out)}
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    assert rows[1]["error"] == "prompt is null" and rows[2]["error"] == "prompt is empty"
+    assert "context" in rows[3]["error"]
+    for i in (1, 2, 3):
+        assert rows[i]["finish_reason"] == "error" and rows[i]["completion"] is None
+    for i in (0, 4):
+        assert rows[i]["error"] is None and rows[i]["completion_tokens"] > 0
+
+
+def test_non_string_prompts_become_error_rows(tmp_path, tiny_model):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b"], prompt=[12, 13])
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "j.toml", job_text(inp, out, tiny_model))
+    r = invoke("run", job)
+    assert r.exit_code == 1 and "2 row errors" in r.stderr
+    assert {row["error"] for row in parts_rows(out)} == {"prompt is not a string (got int)"}
+
+
+def test_bad_chat_messages_become_error_rows(tmp_path, tiny_model):
+    messages = [[{"role": "user", "content": "hi"}], [], None]
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b", "c"], messages=messages)
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "j.toml", job_text(inp, out, tiny_model, prompt='messages = "messages"'))
+    r = invoke("run", job)
+    assert r.exit_code == 1
+    rows = {row["id"]: row for row in parts_rows(out)}
+    assert rows["a"]["error"] is None and rows["a"]["completion_tokens"] > 0
+    assert "non-empty list" in rows["b"]["error"] and rows["c"]["error"] == "messages is null"
+
+
+def test_garbage_parquet_file_is_named(tmp_path, tiny_model):
+    bad = tmp_path / "in.parquet"
+    bad.write_bytes(b"this is not parquet at all")
+    job = write_job(tmp_path / "j.toml", job_text(bad, tmp_path / "out", tiny_model))
+    line = one_error_line(invoke("run", job))
+    assert str(bad) in line and "corrupt" in line
+
+
+def test_truncated_parquet_file_in_a_directory_is_named(tmp_path, tiny_model, good_input):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.parquet").write_bytes(good_input.read_bytes())
+    data = good_input.read_bytes()
+    (d / "b.parquet").write_bytes(data[: len(data) // 2])
+    job = write_job(tmp_path / "j.toml", job_text(d, tmp_path / "out", tiny_model))
+    line = one_error_line(invoke("run", job))
+    assert str(d / "b.parquet") in line
+
+
+def test_corrupt_data_page_found_mid_run_is_named(tmp_path, tiny_model):
+    # A valid footer but garbage inside the second row group's prompt pages:
+    # found only while streaming, after the model is loaded.
+    import pyarrow as pa
+
+    ids = [f"r{i}" for i in range(8)]
+    prompts = [f"prompt number {i} " * 3 for i in range(8)]
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ids, "prompt": prompts}), path, row_group_size=4, compression="none",
+                   use_dictionary=False)
+    meta = pq.read_metadata(path)
+    col = meta.row_group(1).column(1)
+    data = bytearray(path.read_bytes())
+    start = col.data_page_offset
+    data[start: start + col.total_compressed_size] = b"\xff" * col.total_compressed_size
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "j.toml", job_text(path, out, tiny_model, extra="flush_rows = 1\n") +
+                    "[batch]\nread_rows = 4\nwindow = 1\n")
+    line = one_error_line(invoke("run", job, "--quiet"))
+    assert str(path) in line and "corrupt" in line and line.isprintable()
+
+
+def test_output_under_a_file_is_refused(tmp_path, tiny_model, good_input):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a directory")
+    job = write_job(tmp_path / "j.toml", job_text(good_input, blocker / "out", tiny_model))
+    line = one_error_line(invoke("run", job))
+    assert "blocker" in line and "not a directory" in line
+
+
+def test_unwritable_output_directory_is_refused(tmp_path, tiny_model, good_input):
+    # /proc refuses new entries even to root, where chmod would not.
+    job = write_job(tmp_path / "j.toml", job_text(good_input, "/proc/mtplx-test-out", tiny_model))
+    line = one_error_line(invoke("run", job))
+    assert "/proc/mtplx-test-out" in line
+
+
+def test_unknown_spec_key_is_refused(tmp_path, tiny_model, good_input):
+    job = write_job(tmp_path / "j.toml", job_text(good_input, tmp_path / "out", tiny_model,
+                                                  extra="flush_every = 3\n"))
+    line = one_error_line(invoke("run", job))
+    assert "flush_every" in line and "[output]" in line
+
+
+def test_missing_model_path_is_named(tmp_path, good_input):
+    job = write_job(tmp_path / "j.toml", job_text(good_input, tmp_path / "out", tmp_path / "no-model"))
+    line = one_error_line(invoke("run", job))
+    assert "model path does not exist" in line and "no-model" in line
+
+
+def test_missing_default_model_is_one_line(tmp_path, good_input):
+    from mtplx.assets import default_model_path
+
+    try:
+        default_model_path()
+        pytest.skip("the built-in default model is installed")
+    except FileNotFoundError:
+        pass
+    job = write_job(tmp_path / "j.toml", job_text(good_input, tmp_path / "out", "default"))
+    line = one_error_line(invoke("run", job))
+    assert "default model" in line
+
+
+def test_missing_job_file_is_named(tmp_path):
+    line = one_error_line(invoke("run", tmp_path / "nope.toml"))
+    assert "nope.toml" in line
+
+
+def test_changed_spec_on_an_existing_output_is_refused_until_overwrite(tmp_path, tiny_model, good_input):
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "j.toml", job_text(good_input, out, tiny_model))
+    assert invoke("run", job).exit_code == 0
+    changed = write_job(tmp_path / "j2.toml", job_text(good_input, out, tiny_model, extra="") + "[sampling]\n"
+                        "temperature = 0.7\n")
+    line = one_error_line(invoke("run", changed))
+    assert "different job" in line and "[sampling]" in line and "--overwrite" in line
+    r = invoke("run", changed, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert len(parts_rows(out)) == 4
+
+
+def test_changed_model_on_an_existing_output_is_refused(tmp_path, tiny_model, good_input):
+    from mtplx.testing import tiny_checkpoint
+
+    other = tiny_checkpoint("qwen3_5", tmp_path / "other", seed=1, vocab_size=64)
+    out = tmp_path / "out"
+    assert invoke("run", write_job(tmp_path / "a.toml", job_text(good_input, out, tiny_model))).exit_code == 0
+    line = one_error_line(invoke("run", write_job(tmp_path / "b.toml", job_text(good_input, out, other))))
+    assert "the model changed" in line
+
+
+def test_bad_job_in_a_fresh_process_prints_one_line_and_no_traceback(tmp_path, tiny_model):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a"], text=["x"])
+    r = run_cli("generate", "--input", inp, "--output", tmp_path / "out", "--model", tiny_model, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"mtplx: error: input {inp} has no column 'prompt' ([prompt] column); columns: id, text"
+    ]

@@ -1,0 +1,50 @@
+"""The shipped job specs load, validate against jobs/data and run.
+
+They name the built-in default model; until it ships, they run here on the
+tiny checkpoint (`--model`)."""
+
+from dataclasses import replace
+
+import pytest
+
+from conftest import REPO, invoke
+from pipeline.runner import RunOptions, run_job
+from pipeline.spec import load_spec
+
+JOBS = ["nightly", "synthesize", "evaluate"]
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_job_spec_dry_runs_on_jobs_data(name, tiny_model, tmp_path):
+    job = REPO / "jobs" / f"{name}.toml"
+    if not (REPO / "jobs" / "data").exists():
+        pytest.skip("jobs/data not generated (python jobs/make_data.py)")
+    r = invoke("run", job, "--dry-run", "--model", tiny_model, "--output", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert "row errors seen already: 0" in r.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_job_specs_use_the_default_model_and_write_under_out():
+    for name in JOBS:
+        spec = load_spec(REPO / "jobs" / f"{name}.toml")
+        assert spec.model.path is None and spec.name == name
+        assert spec.output.path == str(REPO / "out" / name)
+
+
+def test_evaluate_job_reports_accuracy(tiny_model, tmp_path):
+    if not (REPO / "jobs" / "data").exists():
+        pytest.skip("jobs/data not generated (python jobs/make_data.py)")
+    import pyarrow.parquet as pq
+
+    spec = load_spec(REPO / "jobs" / "evaluate.toml")
+    subset = tmp_path / "subset.parquet"  # 16 rows keep the tiny model's prefill short
+    pq.write_table(pq.read_table(spec.input.path).slice(0, 16), subset)
+    spec = replace(spec, model=replace(spec.model, path=str(tiny_model)),
+                   input=replace(spec.input, path=str(subset)),
+                   generation=replace(spec.generation, max_tokens=2),
+                   output=replace(spec.output, path=str(tmp_path / "out")))
+    result = run_job(spec, RunOptions(quiet=True), log=lambda s: None)
+    assert result.exit_code == 0
+    s = result.summary
+    assert s["rows"] == s["input_rows"] == s["scored_rows"] and 0.0 <= s["accuracy"] <= 1.0

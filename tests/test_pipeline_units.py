@@ -1,0 +1,229 @@
+"""The pipeline's parts on their own: keys, packer, writer, signals, summary
+totals, and resume logic driven by a fake engine."""
+
+import os
+import signal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import fake_engine_factory, write_parquet
+from pipeline.errors import JobError
+from pipeline.ids import KeySet, check_ids, id_hashes, row_keys
+from pipeline.packer import length_ordered
+from pipeline.reader import PromptRow
+from pipeline.runner import RunOptions, run_job
+from pipeline.signals import JobInterrupted, Stopper
+from pipeline.spec import spec_from_dict
+from pipeline.summary import Totals
+from pipeline.writer import PartWriter
+
+
+def prow(ordinal, length, error=None):
+    return PromptRow(ordinal=ordinal, template_index=0, id=ordinal, values={}, tokens=None if error else [1] * length,
+                     text=None, error=error, todo=(0,))
+
+
+# ---------------------------------------------------------------- keys
+
+
+def test_row_keys_separate_ids_templates_and_samples():
+    ids = id_hashes(pa.array(["a", "b", "c"]))
+    keys = np.concatenate([row_keys(ids, t, s) for t in range(3) for s in range(4)])
+    assert len(set(keys.tolist())) == 36
+    ints = id_hashes(pa.array([0, 1, -1, 2**40], pa.int64()))
+    assert len(set(row_keys(ints, 0, 0).tolist())) == 4
+
+
+def test_keyset_membership_is_exact_for_the_keys_it_holds():
+    rng = np.random.default_rng(0)
+    held = rng.integers(0, 2**63, 1000, dtype=np.uint64)
+    other = rng.integers(0, 2**63, 1000, dtype=np.uint64)
+    ks = KeySet([held[:500], held[500:]])
+    assert ks.contains(held).all() and not ks.contains(np.setdiff1d(other, held)).any()
+    assert not KeySet().contains(held).any()
+
+
+def test_check_ids_finds_nulls_and_duplicates_across_batches():
+    def batches(*cols):
+        return lambda: iter(pa.record_batch([pa.array(c)], names=["id"]) for c in cols)
+
+    assert check_ids(batches([1, 2], [3]), "id", "in") == 3
+    with pytest.raises(JobError, match="rows 0 and 2 share id 1"):
+        check_ids(batches([1, 2], [1]), "id", "in")
+    with pytest.raises(JobError, match="null ids .first at row 3"):
+        check_ids(batches(["a", "b"], ["c", None]), "id", "in")
+
+
+# --------------------------------------------------------------- packer
+
+
+def test_packer_sorts_by_length_within_each_window_and_passes_errors_on():
+    rows = [prow(i, length) for i, length in enumerate([5, 3, 9, 1, 4, 4, 2])] + [prow(7, 0, error="bad")]
+    errors = []
+    out = [r.ordinal for r in length_ordered(iter(rows), 3, errors.append)]
+    assert out == [1, 0, 2, 3, 4, 5, 6]  # windows [5,3,9] [1,4,4] [2]; ties keep input order
+    assert [r.ordinal for r in errors] == [7]
+
+
+def test_packer_pulls_no_more_than_one_window_ahead():
+    pulled = []
+
+    def source():
+        for i in range(100):
+            pulled.append(i)
+            yield prow(i, 100 - i)
+
+    it = length_ordered(source(), 10, lambda r: None)
+    next(it)
+    assert len(pulled) == 10
+
+
+# --------------------------------------------------------------- writer
+
+
+def test_writer_flushes_by_rows_and_by_time_and_renames_whole_parts(tmp_path):
+    now = [0.0]
+    schema = pa.schema([("x", pa.int64())])
+    w = PartWriter(tmp_path, schema, 3, flush_rows=2, flush_seconds=10, clock=lambda: now[0])
+    w.add({"x": 1})
+    assert not list(tmp_path.iterdir())
+    w.add({"x": 2})
+    assert [p.name for p in tmp_path.iterdir()] == ["part-00003.parquet"]
+    w.add({"x": 3})
+    now[0] = 11.0
+    w.add({"x": 4})  # 11 s since the last flush
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-00003.parquet", "part-00004.parquet"]
+    assert pq.read_table(tmp_path / "part-00004.parquet").column("x").to_pylist() == [3, 4]
+    assert w.rows_written == 4 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_signal_during_a_part_write_is_held_until_the_part_is_whole(tmp_path):
+    stopper = Stopper()
+    stopper.install()
+    try:
+        w = PartWriter(tmp_path, pa.schema([("x", pa.int64())]), 0, flush_rows=100, flush_seconds=1e9,
+                       stopper=stopper)
+        w.add({"x": 1})
+        original = w._write_part
+
+        def write_with_signal():
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-write
+            original()
+
+        w._write_part = write_with_signal
+        with pytest.raises(JobInterrupted):
+            w.flush()
+        assert pq.read_table(tmp_path / "part-00000.parquet").num_rows == 1
+    finally:
+        stopper.restore()
+
+
+# -------------------------------------------------------------- summary
+
+
+def test_totals_sum_ragged_acceptance_lists_by_depth():
+    t = pa.table({
+        "error": [None, "boom", None], "finish_reason": ["stop", "error", "length"],
+        "prompt_tokens": [3, 4, 5], "completion_tokens": [6, 0, 4],
+        "drafted_by_depth": [[4, 4], [], [3, 3, 3]], "accepted_by_depth": [[2, 1], [], [3, 2, 0]],
+        "mean_accepted_length": [1.75, None, 2.0], "decode_steps": [4, 0, 3],
+    })
+    tot = Totals()
+    tot.add_part(t)
+    m = tot.metrics()
+    assert [(d["drafted"], d["accepted"]) for d in m["acceptance_by_depth"]] == [(7, 5), (7, 3), (3, 0)]
+    assert m["errors"] == 1 and m["rows"] == 3 and m["finish_reasons"] == {"error": 1, "length": 1, "stop": 1}
+    assert m["acceptance_rate"] == pytest.approx(8 / 17)
+    assert m["mean_accepted_length"] == pytest.approx((1.75 * 4 + 2.0 * 3) / 7)
+
+
+# ------------------------------------------------- resume with a fake engine
+
+
+def fake_spec(tmp_path, inp, **extra):
+    doc = {"model": {"path": str(tmp_path / "model")}, "input": {"path": str(inp), "id_column": "id"},
+           "prompt": {"column": "prompt"}, "generation": {"max_tokens": 6},
+           "output": {"path": str(tmp_path / "out"), "flush_rows": 2}}
+    for k, v in extra.items():
+        doc[k] = {**doc.get(k, {}), **v}
+    return spec_from_dict(doc)
+
+
+@pytest.fixture
+def fake_model_dir(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+
+
+def run_fake(spec, **opts):
+    return run_job(spec, RunOptions(quiet=True, **opts), engine_factory=fake_engine_factory(), log=lambda s: None)
+
+
+def read_out(tmp_path):
+    return pq.read_table(sorted((tmp_path / "out").glob("part-*.parquet"))).to_pylist()
+
+
+def test_resume_fills_in_exactly_the_missing_samples(tmp_path, fake_model_dir):
+    inp = write_parquet(tmp_path / "in.parquet", id=[10, 11, 12, 13], prompt=["a", "bb", "ccc", "dddd"])
+    spec = fake_spec(tmp_path, inp, generation={"n": 3}, sampling={"temperature": 1.0})
+    assert run_fake(spec).exit_code == 0
+    full = {(r["id"], r["sample_index"]): r["completion"] for r in read_out(tmp_path)}
+    assert len(full) == 12
+    # drop some parts: their rows, including single samples of a prompt, are missing
+    parts = sorted((tmp_path / "out").glob("part-*.parquet"))
+    for p in parts[1::2]:
+        p.unlink()
+    (tmp_path / "out" / "part-00099.parquet.tmp").write_bytes(b"half a part")
+    (tmp_path / "out" / "summary.json").unlink()
+    result = run_fake(spec)
+    assert result.exit_code == 0 and result.summary["rows"] == 12
+    again = [((r["id"], r["sample_index"]), r["completion"]) for r in read_out(tmp_path)]
+    assert len(again) == 12 and dict(again) == full
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_rerunning_a_finished_job_adds_nothing(tmp_path, fake_model_dir):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b"], prompt=["x", "y"])
+    spec = fake_spec(tmp_path, inp)
+    run_fake(spec)
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    result = run_fake(spec)
+    assert result.summary["rows_this_run"] == 0 and result.summary["rows"] == 2
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == names
+
+
+def test_part_files_without_a_manifest_are_not_resumed(tmp_path, fake_model_dir):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a"], prompt=["x"])
+    spec = fake_spec(tmp_path, inp)
+    run_fake(spec)
+    (tmp_path / "out" / "manifest.json").unlink()
+    with pytest.raises(JobError, match="no manifest.json"):
+        run_fake(spec)
+    assert run_fake(spec, overwrite=True).exit_code == 0
+
+
+def test_changed_input_data_is_refused(tmp_path, fake_model_dir):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b"], prompt=["x", "y"])
+    spec = fake_spec(tmp_path, inp)
+    run_fake(spec)
+    write_parquet(inp, id=["a", "b", "c"], prompt=["x", "y", "z"])
+    with pytest.raises(JobError, match="the input data changed"):
+        run_fake(spec)
+
+
+def test_memory_cap_shrinks_slots_and_refuses_below_the_weights(tiny_model):
+    import mtplx
+    from pipeline.memory import footprint, size_runtime
+
+    model = mtplx.load(tiny_model)
+    spec = spec_from_dict({"input": {"path": "x"}, "prompt": {"column": "p"}, "output": {"path": "o"},
+                           "batch": {"max_batch": 64}})
+    fp = footprint(model, spec)
+    roomy = size_runtime(model, spec, 100 * fp.total(64, 512))
+    tight = size_runtime(model, spec, fp.total(4, 512) + 1)
+    assert roomy.max_batch == 64 and 1 <= tight.max_batch <= 4 and tight.estimated_bytes <= fp.total(4, 512) + 1
+    with pytest.raises(JobError, match="too small"):
+        size_runtime(model, spec, fp.weights // 2)
