@@ -26,12 +26,16 @@ class MTPContract:
         from a cost model calibrated on this machine.
     acceptance: "residual" (highest acceptance) or "coupled" (output equals
         plain keyed sampling bit for bit, whatever the depth).
-    prefill_chunk: prompt tokens per prefill forward; bounds prefill memory.
+    prefill_chunk: prompt tokens per row per prefill forward.
+    prefill_batch_tokens: prompts are prefilled together, right-padded, until
+        rows x longest prompt reaches this; with prefill_chunk it bounds
+        prefill memory.
     """
 
     depth: Depth = 1
     acceptance: Literal["residual", "coupled"] = "residual"
     prefill_chunk: int = 512
+    prefill_batch_tokens: int = 4096
     max_depth_auto: int = 3
 
     def __post_init__(self):
@@ -39,8 +43,8 @@ class MTPContract:
             raise ValueError(f"depth must be a non-negative int or 'auto', got {self.depth!r}")
         if self.acceptance not in ("residual", "coupled"):
             raise ValueError(f"acceptance must be 'residual' or 'coupled', got {self.acceptance!r}")
-        if self.prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1")
+        if self.prefill_chunk < 1 or self.prefill_batch_tokens < 1:
+            raise ValueError("prefill_chunk and prefill_batch_tokens must be >= 1")
 
 
 class CheckpointError(ValueError):

@@ -1,6 +1,11 @@
-"""Prefill one prompt at batch 1: the trunk over the prompt, in chunks, and
-the head over the prompt's pairs, so the head's history is complete before
-the first draft."""
+"""Prefill prompts: the trunk over each prompt, in chunks, and the head over
+the prompt's pairs, so the head's history is complete before the first draft.
+
+Prompts are prefilled together, right-padded to the longest. Right padding is
+exact for both layer kinds: a row's queries only look back, and mlx-lm's
+gated-delta layer freezes its state (and conv window) past each row's
+`lengths`. Each row's caches are then cut to its own length.
+"""
 
 from __future__ import annotations
 
@@ -11,29 +16,75 @@ import mlx.core as mx
 
 
 @dataclass
+class RowKV:
+    keys: mx.array  # [1, H, L, Dk]
+    values: mx.array  # [1, H, L, Dv]
+
+
+@dataclass
+class RowGDN:
+    conv: mx.array  # [1, K-1, C]
+    state: mx.array  # [1, Hv, Dv, Dk]
+
+
+@dataclass
 class Prefilled:
-    trunk_cache: list  # mlx-lm caches at batch 1, covering the whole prompt
-    head_cache: Optional[list]  # one KVCache per head layer: pairs (h_t, x_{t+1}), t < n-1
+    trunk_cache: list  # per trunk layer: RowKV (L entries) or RowGDN
+    head_cache: Optional[list]  # per head layer: RowKV of L-1 pairs (h_t, x_{t+1})
     last_logits: mx.array  # [1, V] the trunk's logits after the last prompt token
     last_hidden: mx.array  # [1, H] the head-facing hidden state at the last position
     length: int
 
 
-def prefill(model, ids: List[int], chunk: int, with_head: bool) -> Prefilled:
+def prefill_batch(model, prompts: List[List[int]], chunk: int, with_head: bool) -> List[Prefilled]:
+    B = len(prompts)
+    lengths = [len(p) for p in prompts]
+    L = max(lengths)
+    tokens = mx.array([p + [0] * (L - len(p)) for p in prompts], dtype=mx.int32)  # [B, L]
     cache = model.make_cache()
+    for c in cache:
+        if hasattr(c, "lengths"):  # gated-delta: freeze past each row's end
+            c.lengths = mx.array(lengths, dtype=mx.int32)
     head_cache = model.make_head_cache() if with_head else None
-    prev_last = None  # [1, 1, H] hidden of the previous chunk's last position
-    logits = hidden = None
-    for start in range(0, len(ids), chunk):
-        toks = ids[start : start + chunk]
-        logits, hidden = model.forward(mx.array([toks]), cache)  # [1, T, V], [1, T, H]
+    last_at = mx.array(lengths, dtype=mx.int32) - 1  # [B]
+    last_logits = last_hidden = None
+    prev_last = None  # [B, 1, H] hidden of the previous chunk's last position
+    for start in range(0, L, chunk):
+        T = min(chunk, L - start)
+        logits, hidden = model.forward(tokens[:, start : start + T], cache)  # [B, T, V], [B, T, H]
+        idx = mx.clip(last_at - start, 0, T - 1)  # [B]
+        here = (last_at >= start) & (last_at < start + T)  # [B]
+        ll = mx.take_along_axis(logits, idx[:, None, None], axis=1)[:, 0]  # [B, V]
+        lh = mx.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]  # [B, H]
+        last_logits = ll if last_logits is None else mx.where(here[:, None], ll, last_logits)
+        last_hidden = lh if last_hidden is None else mx.where(here[:, None], lh, last_hidden)
         if with_head:
-            # Pairs (h_t, x_{t+1}) whose next token is already known.
+            # Pairs (h_t, x_{t+1}) whose next token is in the padded batch.
             hs = hidden[:, :-1] if prev_last is None else mx.concatenate([prev_last, hidden[:, :-1]], axis=1)
-            nxt = ids[max(start, 1) : start + len(toks)]
-            if nxt:
+            nxt = tokens[:, max(start, 1) : start + T]
+            if nxt.shape[1]:
                 for j in range(model.num_head_layers):
-                    model.head(hs, mx.array([nxt]), cache=head_cache, depth=j + 1)
+                    model.head(hs, nxt, cache=head_cache, depth=j + 1)
             prev_last = hidden[:, -1:]
-        mx.eval([c.state for c in cache] + ([c.state for c in head_cache] if head_cache else []))
-    return Prefilled(cache, head_cache, logits[:, -1], hidden[:, -1], len(ids))
+        mx.eval([c.state for c in cache] + ([c.state for c in head_cache] if head_cache else []) + [last_logits, last_hidden])
+    return [_row(model, cache, head_cache, last_logits, last_hidden, b, n) for b, n in enumerate(lengths)]
+
+
+def _row(model, cache, head_cache, last_logits, last_hidden, b: int, n: int) -> Prefilled:
+    trunk = []
+    for kind, c in zip(model.layer_kinds, cache):
+        if kind == "linear":
+            trunk.append(RowGDN(c[0][b : b + 1], c[1][b : b + 1]))
+        else:
+            trunk.append(RowKV(c.keys[b : b + 1, :, :n], c.values[b : b + 1, :, :n]))
+    head = None
+    if head_cache is not None:
+        head = [
+            RowKV(c.keys[b : b + 1, :, : n - 1], c.values[b : b + 1, :, : n - 1]) if c.keys is not None else None
+            for c in head_cache
+        ]
+    return Prefilled(trunk, head, last_logits[b : b + 1], last_hidden[b : b + 1], n)
+
+
+def prefill(model, ids: List[int], chunk: int, with_head: bool) -> Prefilled:
+    return prefill_batch(model, [ids], chunk, with_head)[0]

@@ -15,6 +15,7 @@ The host syncs once per cycle, to read accepted counts and tokens.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional, Sequence, Union
 
@@ -24,7 +25,7 @@ import numpy as np
 from .completion import Completion, Request, error_completion, find_stop_string
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
-from .prefill import Prefilled, prefill
+from .prefill import Prefilled, prefill_batch
 from .sampling import (
     SamplingParams,
     batch_sampling,
@@ -111,14 +112,14 @@ class MTPLXRuntime:
             if inflight is not None:
                 yield from self._collect(batch, inflight)
             inflight = launched
-            if inflight is None and not batch.any_active() and waiting.exhausted:
+            if inflight is None and not batch.any_active() and not waiting.pending:
                 return
 
     # -- refill --------------------------------------------------------------
     def _refill(self, batch: SlotBatch, waiting: "_Samples", seed: int, in_flight: int) -> Iterator[Completion]:
         for b in batch.free_slots():
-            while batch.rows[b] is None and not waiting.exhausted:
-                item = waiting.next(self, seed)
+            while batch.rows[b] is None and waiting.pending:
+                item = waiting.next(self, seed, want=len(batch.free_slots()))
                 if item is None:
                     break
                 kind, payload = item
@@ -136,27 +137,35 @@ class MTPLXRuntime:
             [r.req.sampling if r is not None else SamplingParams() for r in batch.rows]
         )
 
-    def prepare(self, req: Request, seed: int) -> "_Prepared":
-        """Prefill a request once and draw the first token of each of its n
-        samples from the prefill logits (one vectorised draw)."""
-        ids = self._encode(req)
+    def prepare(self, batch: List[tuple], seed: int) -> List["_Prepared"]:
+        """Prefill encoded requests [(request, ids)] together, then draw the
+        first token of every sample of every request in one vectorised step."""
         t0 = time.perf_counter()
-        pre = prefill(self.model, ids, self.contract.prefill_chunk, with_head=self.depth > 0)
+        pres = prefill_batch(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0)
         self.stats["prefill_seconds"] += time.perf_counter() - t0
-        self.stats["prefill_tokens"] += len(ids)
-        n = req.n
-        key_hash = _key_hash(req)
-        bad = nonfinite_rows(pre.last_logits)  # [1]
-        keys = position_keys(seed, [key_hash] * n, list(range(n)), mx.zeros((n, 1), dtype=mx.int32))  # [n, 1, 2]
-        logits = mx.broadcast_to(pre.last_logits[:, None], (n, 1, pre.last_logits.shape[-1]))  # [n, 1, V]
-        p = replace_nonfinite_rows(target_probs(logits, batch_sampling([req.sampling] * n)), mx.broadcast_to(bad, (n,)))
+        self.stats["prefill_tokens"] += sum(len(ids) for _, ids in batch)
+        reqs = [req for req, _ in batch]
+        owner = [i for i, req in enumerate(reqs) for _ in range(req.n)]  # sample -> request
+        samples = [s for req in reqs for s in range(req.n)]
+        hashes = [_key_hash(req) for req in reqs]
+        last = mx.concatenate([pre.last_logits for pre in pres], axis=0)  # [R, V]
+        bad = nonfinite_rows(last)  # [R]
+        logits = last[mx.array(owner)][:, None]  # [S, 1, V]
+        keys = position_keys(seed, [hashes[i] for i in owner], samples, mx.zeros((len(owner), 1), dtype=mx.int32))
+        p = target_probs(logits, batch_sampling([reqs[i].sampling for i in owner]))  # [S, 1, V]
+        p = replace_nonfinite_rows(p, bad[mx.array(owner)])
         _, first = speculative_accept(
-            mx.zeros((n, 0), dtype=mx.int32), p[:, :0], p, keys, rule=self.contract.acceptance, check_finite=False
-        )  # [n]
-        lps = None
-        if req.logprobs:
-            lps = log_softmax_f32(pre.last_logits)[0][first].tolist()
-        return _Prepared(req, pre, key_hash, first.tolist(), lps, bool(bad.item()))
+            mx.zeros((len(owner), 0), dtype=mx.int32), p[:, :0], p, keys, rule=self.contract.acceptance, check_finite=False
+        )  # [S]
+        lp = mx.take_along_axis(log_softmax_f32(logits[:, 0]), first[:, None], axis=-1)[:, 0]  # [S]
+        first, lp, bad = first.tolist(), lp.tolist(), bad.tolist()
+        out, at = [], 0
+        for i, (req, pre) in enumerate(zip(reqs, pres)):
+            firsts = first[at : at + req.n]
+            lps = lp[at : at + req.n] if req.logprobs else None
+            out.append(_Prepared(req, pre, hashes[i], firsts, lps, bool(bad[i])))
+            at += req.n
+        return out
 
     def _encode(self, req: Request) -> List[int]:
         if isinstance(req.prompt, str):
@@ -374,6 +383,14 @@ class _Prepared:
     first_logprobs: Optional[List[float]]
     nonfinite: bool
 
+    def items(self, depth: int):
+        for s in range(self.req.n):
+            if self.nonfinite:
+                msg = "non-finite logits at completion position 0"
+                yield "done", error_completion(self.req, s, msg, self.pre.length)
+            else:
+                yield "row", (self.pre, self.row(s, depth), self.first_tokens[s])
+
     def row(self, s: int, depth: int) -> Row:
         row = Row(self.req, s, self.key_hash, self.pre.length, depth)
         row.tokens.append(self.first_tokens[s])
@@ -383,36 +400,45 @@ class _Prepared:
 
 
 class _Samples:
-    """Expands requests into (request, sample) rows; a request's n samples
-    share one prefill (its caches are copied into each sample's slot)."""
+    """Expands requests into (request, sample) rows. Requests are pulled a
+    group at a time and prefilled together (up to the rows wanted and a padded
+    token budget); a request's n samples share one prefill."""
 
     def __init__(self, requests: Iterator[Request]):
         self.requests = requests
-        self.current = None  # [request, _Prepared or error message, next sample]
+        self.ready = deque()  # ("row", (pre, row, first)) or ("done", Completion)
         self.exhausted = False
 
-    def next(self, rt: MTPLXRuntime, seed: int):
-        while True:
-            if self.current is None:
-                req = next(self.requests, None)
-                if req is None:
-                    self.exhausted = True
-                    return None
-                try:
-                    self.current = [req, rt.prepare(req, seed), 0]
-                except PromptError as e:
-                    self.current = [req, str(e), 0]  # every sample is an error row
-            req, prepared, s = self.current
-            if s >= req.n:
-                self.current = None
+    @property
+    def pending(self) -> bool:
+        return bool(self.ready) or not self.exhausted
+
+    def next(self, rt: MTPLXRuntime, seed: int, want: int):
+        if not self.ready:
+            self._prepare_group(rt, seed, want)
+        return self.ready.popleft() if self.ready else None
+
+    def _prepare_group(self, rt: MTPLXRuntime, seed: int, want: int):
+        group, rows, longest = [], 0, 0
+        budget = rt.contract.prefill_batch_tokens
+        while rows < want and not self.exhausted:
+            req = next(self.requests, None)
+            if req is None:
+                self.exhausted = True
+                break
+            try:
+                ids = rt._encode(req)
+            except PromptError as e:  # every sample of a bad prompt is an error row
+                self.ready.extend(("done", error_completion(req, s, str(e))) for s in range(req.n))
                 continue
-            self.current[2] = s + 1
-            if isinstance(prepared, str):
-                return "done", error_completion(req, s, prepared)
-            if prepared.nonfinite:
-                msg = "non-finite logits at completion position 0"
-                return "done", error_completion(req, s, msg, prepared.pre.length)
-            return "row", (prepared.pre, prepared.row(s, rt.depth), prepared.first_tokens[s])
+            group.append((req, ids))
+            rows += req.n
+            longest = max(longest, len(ids))
+            if longest * len(group) >= budget:
+                break
+        if group:
+            for prepared in rt.prepare(group, seed):
+                self.ready.extend(prepared.items(rt.depth))
 
 
 def _key_hash(req: Request) -> int:

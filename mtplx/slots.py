@@ -126,8 +126,8 @@ class SlotBatch:
         lengths = mx.array([pre.length for pre in pres], dtype=mx.int32)  # [R]
         for i, slot in enumerate(self.trunk):
             if isinstance(slot, SlotGDNCache):
-                conv = _stack(pres, lambda p: p.trunk_cache[i][0])  # [R, K-1, C]
-                state = _stack(pres, lambda p: p.trunk_cache[i][1])  # [R, Hv, Dv, Dk]
+                conv = _stack(pres, lambda p: p.trunk_cache[i].conv)  # [R, K-1, C]
+                state = _stack(pres, lambda p: p.trunk_cache[i].state)  # [R, Hv, Dv, Dk]
                 slot.write_rows(rows, conv, state)
             else:
                 k, v = _stack_kv(pres, lambda p: p.trunk_cache[i], lambda p: p.length)
@@ -195,26 +195,18 @@ def _stack(pres: List[Prefilled], get) -> mx.array:
 
 
 def _stack_kv(pres: List[Prefilled], get_cache, get_len):
-    """Keys and values [R, H, Lmax, D] of mlx-lm KVCaches, zero past each length."""
+    """Keys and values [R, H, Lmax, D] of per-row caches, zero past each length."""
     L = max(get_len(p) for p in pres)
-    ref = next((get_cache(p) for p in pres if get_cache(p).keys is not None), None)
-    if ref is None or L == 0:
-        return _empty_kv(pres, ref)
+    ref = next((get_cache(p) for p in pres if get_cache(p) is not None and get_len(p) > 0), None)
+    if ref is None:  # every prompt is one token long: the head has no pairs yet
+        return mx.zeros((len(pres), 1, 0, 1)), mx.zeros((len(pres), 1, 0, 1))
 
     def padded(p, which):
-        c, n = get_cache(p), get_len(p)
-        x = getattr(c, which)
-        if x is None or n == 0:
-            shape = list(getattr(ref, which).shape)
-            return mx.zeros((1, shape[1], L, shape[3]), dtype=getattr(ref, which).dtype)
-        x = x[..., :n, :]
+        n = get_len(p)
+        if n == 0:
+            x = getattr(ref, which)
+            return mx.zeros((1, x.shape[1], L, x.shape[3]), dtype=x.dtype)
+        x = getattr(get_cache(p), which)[..., :n, :]
         return mx.pad(x, [(0, 0), (0, 0), (0, L - n), (0, 0)])
 
     return _stack(pres, lambda p: padded(p, "keys")), _stack(pres, lambda p: padded(p, "values"))
-
-
-def _empty_kv(pres, ref):
-    # Every prompt is one token long: the head has no pairs yet.
-    shape = (len(pres), 1, 0, 1) if ref is None else (len(pres), ref.keys.shape[1], 0, ref.keys.shape[3])
-    vshape = shape if ref is None else (len(pres), ref.values.shape[1], 0, ref.values.shape[3])
-    return mx.zeros(shape), mx.zeros(vshape)
