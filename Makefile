@@ -33,8 +33,11 @@ openblas:
 	  else echo "warning: no apt-get; install OpenBLAS yourself for speed"; fi; \
 	fi
 
+# The sample nightly job on the built-in model: rerunning resumes (nothing to
+# do once complete); `make run ARGS=--overwrite` starts over.
 run: install
-	$(MLXENV) $(VENV)/bin/mtplx run jobs/nightly.toml
+	$(MLXENV) $(VENV)/bin/mtplx run jobs/nightly.toml $(ARGS); rc=$$?; \
+	  if [ $$rc -le 1 ]; then echo "output: out/nightly/"; $(VENV)/bin/mtplx inspect out/nightly; fi; exit $$rc
 
 test: install
 	$(MLXENV) $(PY) -m pytest -q -m "not slow" tests

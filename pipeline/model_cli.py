@@ -99,12 +99,14 @@ def _depth(v: str):
 @click.option("--temperatures", callback=_csv(float), default="0,1", show_default=True)
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--prompts", "num_prompts", type=int, default=None, help="Prompts per run (default: one full batch).")
+@click.option("--max-prompt-tokens", type=int, default=128, show_default=True, help="Keep each prompt's last N tokens.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Alternating baseline/engine pairs per setting.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--output", type=click.Path(), default="bench.json", show_default=True, help="Where the JSON records go.")
 @click.option("--plot", type=click.Path(), default=None, help="Also draw tokens/s against batch size (needs matplotlib).")
 @click.option("--quiet", is_flag=True)
-def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts, repeats, seed, output, plot, quiet):
+def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts, max_prompt_tokens, repeats, seed, output,
+              plot, quiet):
     """Benchmark MTPLX against mlx_lm.batch_generate, side by side in one run.
 
     For each batch size and temperature, on the same prompts and trunk, it
@@ -113,13 +115,18 @@ def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts,
     that bound what speculation can gain.
     """
     from mtplx.bench import run_bench
-    from mtplx.bench_report import format_table, write_plot
+    from mtplx.bench_report import format_table, require_matplotlib, write_plot
 
+    if plot:
+        try:
+            require_matplotlib()
+        except (ImportError, RuntimeError) as e:
+            _fail(str(e))
     try:
         records = run_bench(model, batch_sizes=batch_sizes, depths=depths, temperatures=temperatures,
                             max_tokens=max_tokens, num_prompts=num_prompts, repeats=repeats, seed=seed,
-                            progress=not quiet)
-    except FileNotFoundError as e:
+                            progress=not quiet, max_prompt_tokens=max_prompt_tokens)
+    except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     Path(output).write_text(json.dumps(records, indent=2))
     click.echo(format_table(records))

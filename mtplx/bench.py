@@ -1,0 +1,597 @@
+"""`mtplx bench`: MTPLX against mlx-lm's `batch_generate`, side by side in one process.
+
+    python -m mtplx.bench --output bench.json [--model DIR] [--batch-sizes 1,4,16,64]
+        [--depths 0,1,2,3,auto] [--temperatures 0,1] [--max-tokens 128]
+        [--prompts N] [--repeats R] [--max-prompt-tokens N] [--seed S]
+        [--plot bench.png] [--quick]
+
+For every batch size B and temperature t, on the same prompts, the same
+max_tokens and the same trunk weights (`model.trunk` of the MTPLX-loaded
+model), it times:
+- the baseline, `mlx_lm.generate.batch_generate` with its decode batch = B;
+- MTPLX (`MTPLXRuntime(max_batch=B)`) at each depth, and at depth "auto".
+After one short warm-up of each, every configuration runs as alternating
+pairs (baseline, engine) x repeats. Absolute times on a shared machine drift,
+so the comparison is the median of the paired ratios (engine tok/s / the
+adjacent baseline's tok/s), with their min and max as the spread.
+
+tokens/s = generated tokens / wall seconds of the whole `generate` call, prefill
+included, for both engines; tokens are counted from each engine's outputs, so
+a row ended early by EOS counts what it produced (the stop token is not output
+by either engine). The `decode_*` fields divide the same tokens by the time
+outside each engine's own prompt-processing timer: `predicted_speedup`
+describes decoding only, so `measured_decode_speedup` is its counterpart.
+
+It also measures the bare costs (`mtplx.costs`) at each batch size: a
+one-token trunk step, a verify pass over k+1 tokens and a head pass, at the
+mean decode context, which give `predicted_speedup`.
+
+By default one run is one full batch: B prompts at batch size B. `--prompts N`
+runs N prompts at every batch size instead (continuous batching in both).
+
+`--quick` is what `make bench` runs (QUICK below): batch sizes 1,4,16, depths
+0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, 3 repeats, prompts clipped
+to their last 128 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+Depth = Union[int, str]
+
+# `make bench`: every depth and both temperatures, at the batch sizes the issue's
+# targets name plus 16; prompts clipped to 128 tokens so that prompt processing
+# (which speculation does not speed up) stays a minority of the wall time.
+QUICK = dict(
+    batch_sizes=(1, 4, 16), depths=(0, 1, 2, 3, "auto"), temperatures=(0.0, 1.0),
+    max_tokens=64, repeats=3, max_prompt_tokens=128,
+)
+WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
+
+REPO_PROMPTS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "prompts.parquet"
+
+# Used when jobs/data/prompts.parquet is absent (an installed wheel) or pyarrow is.
+BUILTIN_PROMPTS = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "def is_prime(n):\n    \"\"\"True when n is a prime number.\"\"\"\n",
+    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "def read_lines(path):\n    \"\"\"Return the lines of the file at path, without newlines.\"\"\"\n",
+    "def flatten(items):\n    \"\"\"Flatten a list of lists into one list.\"\"\"\n",
+    "import os\n\n\ndef walk_files(root):\n    \"\"\"Yield every file path under root.\"\"\"\n",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "def word_counts(text):\n    \"\"\"Map each word of text to how often it occurs.\"\"\"\n",
+)
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    batch_sizes: Tuple[int, ...]
+    depths: Tuple[Depth, ...]
+    temperatures: Tuple[float, ...]
+    max_tokens: int
+    num_prompts: Optional[int]
+    repeats: int
+    seed: int
+    max_prompt_tokens: Optional[int] = None
+
+    def __post_init__(self):
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        for d in self.depths:
+            if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+                raise ValueError(f"depths must be ints >= 0 or 'auto', got {d!r}")
+        if not self.depths:
+            raise ValueError("at least one depth is needed")
+        if not self.temperatures or min(self.temperatures) < 0:
+            raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
+        if self.max_tokens < 1 or self.repeats < 1:
+            raise ValueError("max_tokens and repeats must be >= 1")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError("num_prompts must be >= 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError("max_prompt_tokens must be >= 1")
+
+    def cost_depths(self, max_depth_auto: int) -> List[int]:
+        """Verify depths whose cost a prediction needs ("auto" may pick any up to its max)."""
+        ks = {d for d in self.depths if d != "auto" and d > 0}
+        if "auto" in self.depths:
+            ks |= set(range(1, max_depth_auto + 1))
+        return sorted(ks)
+
+
+@dataclass
+class Run:
+    """One timed `generate` call."""
+
+    tokens: int
+    seconds: float
+    prefill_seconds: float
+    completions: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return tokens_per_s(self.tokens, self.seconds)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens over the time outside prompt processing (each engine's own prefill timer)."""
+        return tokens_per_s(self.tokens, self.seconds - self.prefill_seconds)
+
+
+# ------------------------------------------------------------------ public API
+
+
+def run_bench(
+    model_path=None,
+    *,
+    batch_sizes: Sequence[int] = (1, 4, 16, 64),
+    depths: Sequence[Depth] = (0, 1, 2, 3, "auto"),
+    temperatures: Sequence[float] = (0.0, 1.0),
+    max_tokens: int = 128,
+    num_prompts: Optional[int] = None,
+    repeats: int = 3,
+    prompts: Optional[Sequence[Union[str, Sequence[int]]]] = None,
+    seed: int = 0,
+    progress: bool = True,
+    max_prompt_tokens: Optional[int] = None,
+) -> List[dict]:
+    """Run the benchmark; returns the records (a header, then one per
+    (engine, batch size, depth, temperature)). `prompts`: strings or token
+    lists (default: the held-out prompts of jobs/data/prompts.parquet);
+    `max_prompt_tokens`: keep only each prompt's last N tokens (None: whole)."""
+    import mlx.core as mx
+
+    from . import load
+    from .assets import default_model_path
+
+    plan = BenchPlan(
+        tuple(int(b) for b in batch_sizes), tuple(depths), tuple(float(t) for t in temperatures),
+        int(max_tokens), num_prompts, int(repeats), int(seed), max_prompt_tokens,
+    )
+    log = _progress_printer(progress)
+    path = Path(model_path) if model_path is not None else default_model_path()
+    model = load(path)
+    texts, source = (list(prompts), "given") if prompts is not None else default_prompts()
+    pool = encode_prompts(model.tokenizer, texts, plan.max_prompt_tokens)
+    header = header_record(path, plan, len(pool), source)
+    records = [header]
+    for B in plan.batch_sizes:
+        records += bench_batch_size(model, plan, pool, B, log)
+        mx.clear_cache()
+    header["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return records
+
+
+def bench_batch_size(model, plan: BenchPlan, pool: List[List[int]], B: int, log) -> List[dict]:
+    """Bare costs, then every temperature x depth at batch size B."""
+    from .costs import measure_bare_costs
+    from .mtp_patch import MTPContract
+    from .runtime import MTPLXRuntime
+
+    batch = take_prompts(pool, plan.num_prompts or B)
+    context = round(statistics.mean(len(p) for p in batch) + plan.max_tokens / 2)
+    max_auto = MTPContract(depth="auto").max_depth_auto
+    log(f"batch {B}: bare costs at context {context}")
+    costs = measure_bare_costs(model, B, depths=plan.cost_depths(max_auto), context=context)
+    # Built once per batch size: "auto" calibrates (times bare passes) when built.
+    runtimes = {d: MTPLXRuntime(model, MTPContract(depth=d), max_batch=B) for d in plan.depths}
+    records = []
+    for t in plan.temperatures:
+        records += bench_setting(model, runtimes, batch, B, t, costs, plan, log)
+    return records
+
+
+def bench_setting(model, runtimes: Dict[Depth, object], batch, B: int, t: float, costs, plan: BenchPlan, log) -> List[dict]:
+    """Baseline and every depth at one (batch size, temperature)."""
+    warmup = min(plan.max_tokens, WARMUP_TOKENS)
+    baseline = partial(run_baseline, model, batch, temperature=t, seed=plan.seed, batch_size=B)
+    baseline(max_tokens=warmup)
+    base_runs: List[Run] = []
+    records = []
+    for d, rt in runtimes.items():
+        engine = partial(run_engine, rt, batch, temperature=t, seed=plan.seed)
+        engine(max_tokens=warmup)
+        pairs = [(baseline(max_tokens=plan.max_tokens), engine(max_tokens=plan.max_tokens)) for _ in range(plan.repeats)]
+        base_runs += [b for b, _ in pairs]
+        rec = mtplx_record(rt, d, B, t, pairs, costs, plan)
+        lo, hi = rec["ratio_spread"]
+        log(
+            f"  B={B} T={t:g} depth={d}: {rec['tokens_per_s']:.1f} tok/s, "
+            f"x{rec['ratio_vs_mlx_lm']:.3f} vs mlx-lm [{lo:.3f}, {hi:.3f}]"
+        )
+        records.append(rec)
+    add_measured_speedups(records)
+    return [baseline_record(B, t, base_runs, plan)] + records
+
+
+# ------------------------------------------------------------------ runs
+
+
+def run_baseline(model, prompts: List[List[int]], max_tokens: int, temperature: float, seed: int, batch_size: int) -> Run:
+    """`mlx_lm.batch_generate` on the trunk of `model`, decoding `batch_size` rows at a time."""
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    t0 = time.perf_counter()
+    out = batch_generate(
+        model.trunk,
+        model.tokenizer,
+        prompts=prompts,
+        max_tokens=max_tokens,
+        sampler=make_sampler(temp=temperature),
+        verbose=False,
+        return_token_ids=True,
+        # mlx-lm decodes max(completion, prefill) batch sizes at once: both = B caps it at B.
+        completion_batch_size=batch_size,
+        prefill_batch_size=min(batch_size, 8),
+    )
+    seconds = time.perf_counter() - t0
+    return Run(sum(len(ids) for ids in out.token_ids), seconds, out.stats.prompt_time)
+
+
+def run_engine(rt, prompts: List[List[int]], max_tokens: int, temperature: float, seed: int) -> Run:
+    from .sampling import SamplingParams
+
+    prefill_before = rt.stats["prefill_seconds"]
+    t0 = time.perf_counter()
+    outs = rt.generate(prompts, sampling=SamplingParams(temperature=temperature), max_tokens=max_tokens, seed=seed)
+    seconds = time.perf_counter() - t0
+    errors = [c.error for c in outs if c.finish_reason == "error"]
+    if errors:  # a timing over failed rows would compare different work
+        raise RuntimeError(f"MTPLX failed {len(errors)} of {len(outs)} bench rows; first: {errors[0]}")
+    return Run(sum(len(c.tokens) for c in outs), seconds, rt.stats["prefill_seconds"] - prefill_before, outs)
+
+
+# ------------------------------------------------------------------ records
+
+
+def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]], costs, plan: BenchPlan) -> dict:
+    engine_runs = [e for _, e in pairs]
+    ratios = paired_ratios([(b.tokens_per_s, e.tokens_per_s) for b, e in pairs])
+    completions = [c for run in engine_runs for c in run.completions]
+    acc = acceptance_summary(completions, rt.depth)
+    rec = {
+        "engine": "mtplx",
+        "batch_size": B,
+        "depth": depth,
+        "depth_used": rt.depth,
+        "temperature": t,
+        **_run_fields(engine_runs, plan, B),
+        "baseline_tokens_per_s": statistics.median(b.tokens_per_s for b, _ in pairs),
+        **ratio_summary(ratios),
+        "decode_ratio_vs_mlx_lm": _median_or_none(
+            paired_ratios([(b.decode_tokens_per_s, e.decode_tokens_per_s) for b, e in pairs])
+        ),
+        **acc,
+        "predicted_speedup": predicted_from_ideal(costs, acc["ideal_tokens_per_cycle"], rt.depth),
+        "measured_speedup": None,  # both filled once depth 0 is known
+        "measured_decode_speedup": None,
+        "bare_costs": costs.as_dict(),
+    }
+    if depth == "auto":
+        rec["auto_choice"] = rt.stats.get("auto_depth")
+    return rec
+
+
+def baseline_record(B: int, t: float, runs: List[Run], plan: BenchPlan) -> dict:
+    return {
+        "engine": "mlx_lm",
+        "batch_size": B,
+        "depth": None,
+        "depth_used": None,
+        "temperature": t,
+        **_run_fields(runs, plan, B),
+        "ratio_vs_mlx_lm": 1.0,
+        "ratio_spread": [1.0, 1.0],
+        "paired_ratios": [],
+        "decode_ratio_vs_mlx_lm": 1.0,
+        "acceptance_by_depth": None,
+        "acceptance_rate": None,
+        "mean_accepted_length": None,
+        "ideal_tokens_per_cycle": None,
+        "predicted_speedup": None,
+        "measured_speedup": None,
+        "measured_decode_speedup": None,
+        "bare_costs": None,
+    }
+
+
+def _run_fields(runs: List[Run], plan: BenchPlan, B: int) -> dict:
+    return {
+        "num_prompts": plan.num_prompts or B,
+        "max_tokens": plan.max_tokens,
+        "runs": len(runs),
+        "tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
+        "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs),
+        "generated_tokens": statistics.median(r.tokens for r in runs),
+        "prefill_fraction": statistics.median(r.prefill_seconds / r.seconds for r in runs),
+    }
+
+
+def add_measured_speedups(records: List[dict]) -> None:
+    """measured_speedup = tokens/s over MTPLX depth 0 at the same (B, t). Each
+    side is first divided by its adjacent baseline runs (ratio_vs_mlx_lm), so
+    drift of the shared machine between the two depths' runs cancels.
+    measured_decode_speedup: the same without prompt processing, which is what
+    predicted_speedup describes."""
+    plain = next((r for r in records if r["depth"] == 0), None)
+    if plain is None:
+        return
+    for r in records:
+        r["measured_speedup"] = _over(r["ratio_vs_mlx_lm"], plain["ratio_vs_mlx_lm"])
+        r["measured_decode_speedup"] = _over(r["decode_ratio_vs_mlx_lm"], plain["decode_ratio_vs_mlx_lm"])
+
+
+def _over(x: Optional[float], y: Optional[float]) -> Optional[float]:
+    return x / y if x is not None and y else None
+
+
+def _median_or_none(xs: Sequence[float]) -> Optional[float]:
+    return statistics.median(xs) if xs else None
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def tokens_per_s(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def paired_ratios(pairs: Sequence[Tuple[float, float]]) -> List[float]:
+    """engine tok/s / baseline tok/s for each adjacent (baseline, engine) pair."""
+    return [e / b for b, e in pairs if b > 0]
+
+
+def ratio_summary(ratios: Sequence[float]) -> dict:
+    """Median of the paired ratios and their spread (min, max)."""
+    if not ratios:
+        return {"ratio_vs_mlx_lm": None, "ratio_spread": None, "paired_ratios": []}
+    return {
+        "ratio_vs_mlx_lm": statistics.median(ratios),
+        "ratio_spread": [min(ratios), max(ratios)],
+        "paired_ratios": list(ratios),
+    }
+
+
+def acceptance_summary(completions, depth: int) -> dict:
+    """Job-level acceptance over completions, as DESIGN.md "Metrics" defines it.
+
+    acceptance_by_depth[i]: cumulative rate, sum accepted_by_depth[i] / sum drafted_by_depth[i];
+    ideal_tokens_per_cycle: 1 + sum(accepted_by_depth) / cycles;
+    mean_accepted_length: tokens the cycles delivered / cycles; below the ideal
+        only where a stop token cut a cycle's run short.
+    """
+    cycles = sum(c.steps for c in completions)
+    drafted = [sum(c.drafted_by_depth[i] for c in completions if i < len(c.drafted_by_depth)) for i in range(depth)]
+    accepted = [sum(c.accepted_by_depth[i] for c in completions if i < len(c.accepted_by_depth)) for i in range(depth)]
+    # The first token of a row comes from the prefill logits, not from a cycle.
+    from_cycles = sum(max(len(c.tokens) - 1, 0) for c in completions)
+    return {
+        "acceptance_by_depth": [a / d if d else None for a, d in zip(accepted, drafted)],
+        "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else None,
+        "mean_accepted_length": from_cycles / cycles if cycles else None,
+        "ideal_tokens_per_cycle": 1.0 + sum(accepted) / cycles if cycles else None,
+        "row_cycles": cycles,  # summed over rows and over the timed runs
+    }
+
+
+def predicted_from_ideal(costs, ideal_tokens_per_cycle: Optional[float], k: int) -> Optional[float]:
+    """ideal tokens per cycle x one-token step time / (verify time + k head times)."""
+    if ideal_tokens_per_cycle is None:
+        return None
+    return ideal_tokens_per_cycle * costs.step_s / costs.cycle_s(k)
+
+
+# ------------------------------------------------------------------ header
+
+
+def header_record(model_path: Path, plan: BenchPlan, num_prompts: int, prompt_source: str) -> dict:
+    """Machine, versions, BLAS and settings: what a reader needs to rerun it."""
+    return {
+        "engine": "header",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_info(),
+        "versions": versions(),
+        "blas": blas_in_use(),
+        "model": str(model_path),
+        "prompts": {
+            "count": num_prompts,
+            "source": prompt_source,
+            "per_run": plan.num_prompts or "batch size",
+            "max_prompt_tokens": plan.max_prompt_tokens,
+        },
+        "max_tokens": plan.max_tokens,
+        "settings": {
+            "batch_sizes": list(plan.batch_sizes),
+            "depths": list(plan.depths),
+            "temperatures": list(plan.temperatures),
+            "repeats": plan.repeats,
+            "seed": plan.seed,
+            "warmup_tokens": min(plan.max_tokens, WARMUP_TOKENS),
+            "acceptance": "residual",
+        },
+    }
+
+
+def machine_info() -> dict:
+    info = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": _cpu_model() or platform.processor(),
+        "cpu_count": os.cpu_count(),
+    }
+    if hasattr(os, "getloadavg"):  # the machine is shared: how busy it was matters
+        info["loadavg_at_start"] = list(os.getloadavg())
+    return info
+
+
+def _cpu_model() -> Optional[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    out = {"python": platform.python_version(), "mtplx": __version__}
+    for dist in ("mlx", "mlx-lm", "numpy"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def blas_in_use() -> dict:
+    """The BLAS libraries mapped into this process (Linux), and LD_PRELOAD.
+
+    mlx-cpu's own reference BLAS is ~15x slower than OpenBLAS, so numbers
+    without OpenBLAS mapped are not comparable to ones with it."""
+    libs = set()
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            name = line.rsplit(" ", 1)[-1]
+            if any(s in name.lower() for s in ("blas", "lapack", "mkl")):
+                libs.add(name)
+    except OSError:
+        pass
+    libs_sorted = sorted(libs)
+    preload = os.environ.get("LD_PRELOAD", "")
+    if any("openblas" in s for s in libs_sorted):
+        name = "OpenBLAS"
+    elif sys.platform == "darwin":
+        name = "Accelerate"
+    else:
+        name = "mlx bundled (reference BLAS)" if sys.platform.startswith("linux") else "unknown"
+    return {"name": name, "libraries": libs_sorted, "ld_preload": preload or None}
+
+
+# ------------------------------------------------------------------ prompts
+
+
+def default_prompts() -> Tuple[List[str], str]:
+    """(prompts, source): the held-out prompts of jobs/data/prompts.parquet when
+    this is a source checkout with pyarrow, else the built-in snippets."""
+    try:
+        import pyarrow.parquet as pq
+
+        texts = pq.read_table(REPO_PROMPTS, columns=["prompt"]).column("prompt").to_pylist()
+        texts = [p for p in texts if p]
+        if texts:
+            return texts, str(REPO_PROMPTS)
+    except (ImportError, OSError, KeyError):
+        pass
+    return list(BUILTIN_PROMPTS), "built-in"
+
+
+def encode_prompts(tokenizer, prompts: Sequence[Union[str, Sequence[int]]], max_tokens: Optional[int] = None) -> List[List[int]]:
+    """Token lists; clipped to their last `max_tokens` tokens, the context
+    the completion continues from."""
+    pool = [tokenizer.encode(p) if isinstance(p, str) else [int(x) for x in p] for p in prompts]
+    if not pool or not all(pool):
+        raise ValueError("the bench needs at least one prompt, and no empty ones")
+    return pool if max_tokens is None else [ids[-max_tokens:] for ids in pool]
+
+
+def take_prompts(pool: List[List[int]], n: int) -> List[List[int]]:
+    """The first n prompts of the pool, cycling when it has fewer."""
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def _progress_printer(enabled: bool) -> Callable[[str], None]:
+    if not enabled:
+        return lambda s: None
+    return lambda s: print(s, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ command line
+
+
+def _ints(text: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _depths(text: str) -> Tuple[Depth, ...]:
+    return tuple("auto" if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip())
+
+
+def _floats(text: str) -> Tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mtplx.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--output", required=True, help="where to write the JSON records")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
+    p.add_argument("--quick", action="store_true", help="the short `make bench` settings (flags below override)")
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="e.g. 1,4,16,64")
+    p.add_argument("--depths", type=_depths, default=None, help="e.g. 0,1,2,3,auto")
+    p.add_argument("--temperatures", type=_floats, default=None, help="e.g. 0,1")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--prompts", type=int, default=None, dest="num_prompts", help="prompts per run (default: the batch size)")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep each prompt's last N tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="also draw tokens/s vs batch size here (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> dict:
+    """run_bench keyword arguments: run_bench's defaults, or QUICK's, under the given flags."""
+    base = dict(QUICK) if args.quick else {}
+    for name in ("batch_sizes", "depths", "temperatures", "max_tokens", "num_prompts", "repeats", "max_prompt_tokens"):
+        value = getattr(args, name)
+        if value is not None:
+            base[name] = value
+    return {**base, "seed": args.seed, "progress": not args.quiet}
+
+
+def main(argv=None) -> int:
+    """The command: 0 on success, 2 with one line on stderr for a problem a
+    user can fix (no default model, bad settings, no matplotlib for --plot)."""
+    args = parse_args(argv)
+    try:
+        return _run_command(args)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"mtplx bench: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    from .bench_report import format_table, require_matplotlib, write_plot
+
+    if args.plot:
+        require_matplotlib()  # fail before the run, not after it
+    records = run_bench(args.model, **settings_from_args(args))
+    Path(args.output).write_text(json.dumps(records, indent=2) + "\n")
+    print(format_table(records))
+    print(f"records written to {args.output}")
+    if args.plot:
+        write_plot(records, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

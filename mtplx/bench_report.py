@@ -1,0 +1,165 @@
+"""The bench's records as a text table and as a plot of tokens/s against batch size."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+COLUMNS = (
+    # (title, width, how to show a record)
+    ("B", 4, lambda r: str(r["batch_size"])),
+    ("temp", 5, lambda r: f"{r['temperature']:g}"),
+    ("engine", 7, lambda r: r["engine"]),
+    ("depth", 7, lambda r: _depth(r)),
+    ("tok/s", 8, lambda r: _num(r["tokens_per_s"], ".1f")),
+    ("vs mlx-lm [min, max]", 22, lambda r: _num(r["ratio_vs_mlx_lm"], ".3f") + _spread(r)),
+    ("decode vs", 9, lambda r: _num(r.get("decode_ratio_vs_mlx_lm"), ".3f")),
+    ("prefill", 7, lambda r: _num(r.get("prefill_fraction"), ".0%")),
+    ("accept by depth", 17, lambda r: _rates(r["acceptance_by_depth"])),
+    ("mean len", 8, lambda r: _num(r["mean_accepted_length"], ".2f")),
+    ("ideal", 6, lambda r: _num(r["ideal_tokens_per_cycle"], ".2f")),
+    ("pred", 6, lambda r: _num(r["predicted_speedup"], ".2f")),
+    ("meas", 6, lambda r: _num(r["measured_speedup"], ".2f")),
+    ("meas dec", 8, lambda r: _num(r.get("measured_decode_speedup"), ".2f")),
+    ("dec/pred", 8, lambda r: _num(_efficiency(r), ".2f")),
+)
+
+
+def format_table(records: Sequence[dict]) -> str:
+    """A header paragraph, one line per measured record, then the bare costs."""
+    header = next((r for r in records if r["engine"] == "header"), None)
+    rows = [r for r in records if r["engine"] != "header"]
+    lines = _describe(header) if header else []
+    lines.append("  ".join(title.rjust(w) for title, w, _ in COLUMNS))
+    for r in rows:
+        lines.append("  ".join(show(r).rjust(w) for _, w, show in COLUMNS))
+    lines += [""] + _cost_lines(rows)
+    lines += [
+        "",
+        "tok/s: generated tokens / wall seconds of the generate call, prefill included (median of runs).",
+        "vs mlx-lm: median of paired ratios (engine tok/s / adjacent mlx-lm run's) [min, max of them]; "
+        "decode vs: the same outside prompt processing; prefill: its share of the wall time.",
+        "ideal: 1 + accepted drafts per cycle; pred: ideal x step / (verify + k head), from the bare costs; "
+        "meas / meas dec: tok/s over MTPLX depth 0, wall / decode only; dec/pred: meas dec / pred.",
+    ]
+    return "\n".join(lines)
+
+
+def write_plot(records: Sequence[dict], path) -> None:
+    """Tokens/s against batch size, one line per depth and one for mlx-lm,
+    one panel per temperature. Needs matplotlib (the `plot` extra)."""
+    plt = require_matplotlib()
+    rows = [r for r in records if r["engine"] != "header"]
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, max(len(temps), 1), figsize=(5 * max(len(temps), 1), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for label, series in _series(rows, t):
+            xs, ys = zip(*series)
+            style = dict(color="black", linestyle="--") if label == "mlx-lm" else {}
+            ax.plot(xs, ys, marker="o", label=label, **style)
+        ax.set_xscale("log", base=2)
+        sizes = sorted({r["batch_size"] for r in rows})
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"temperature {t:g}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def require_matplotlib():
+    """matplotlib.pyplot on a file-only backend, or a clear error naming the extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError(
+            "plotting needs matplotlib, which is not installed: pip install 'mtplx[plot]' (or matplotlib)"
+        ) from None
+    return plt
+
+
+def _series(rows: Sequence[dict], temperature: float):
+    """(label, [(batch size, tokens/s), ...]) per engine/depth at one temperature."""
+    groups = {}
+    for r in rows:
+        if r["temperature"] != temperature:
+            continue
+        label = "mlx-lm" if r["engine"] == "mlx_lm" else f"depth {r['depth']}"
+        groups.setdefault(label, []).append((r["batch_size"], r["tokens_per_s"]))
+    order = sorted(groups, key=lambda s: (s != "mlx-lm", s))
+    return [(label, sorted(groups[label])) for label in order]
+
+
+def _describe(h: dict) -> List[str]:
+    m, v, p = h["machine"], h["versions"], h["prompts"]
+    s = h["settings"]
+    return [
+        f"model: {h['model']}",
+        f"prompts: {p['count']} from {p['source']}, {p['per_run']} per run, "
+        f"clipped to {p.get('max_prompt_tokens') or 'no'} tokens; max_tokens {h['max_tokens']}; "
+        f"repeats {s['repeats']}; seed {s['seed']}",
+        f"machine: {m['processor']}, {m['cpu_count']} CPUs, {m['platform']}",
+        "versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + f"; BLAS: {h['blas']['name']}",
+        "",
+    ]
+
+
+def _cost_lines(rows: Sequence[dict]) -> List[str]:
+    seen = {}
+    for r in rows:
+        if r.get("bare_costs") and r["batch_size"] not in seen:
+            seen[r["batch_size"]] = r["bare_costs"]
+    if not seen:
+        return []
+    ks = sorted({int(k) for c in seen.values() for k in c["verify_s"]})
+    lines = ["bare costs (ms): one-token step, verify over k+1 tokens, one head pass"]
+    lines.append("  ".join(["B".rjust(4), "context".rjust(7), "step".rjust(7)] + [f"verify{k}".rjust(8) for k in ks] + ["head".rjust(7)]))
+    for B, c in sorted(seen.items()):
+        verify = [_num(_ms(c["verify_s"].get(str(k))), ".2f").rjust(8) for k in ks]
+        lines.append(
+            "  ".join([str(B).rjust(4), str(c["context"]).rjust(7), _num(_ms(c["step_s"]), ".2f").rjust(7)] + verify
+                      + [_num(_ms(c["head_s"]), ".2f").rjust(7)])
+        )
+    return lines
+
+
+def _depth(r: dict) -> str:
+    if r["engine"] == "mlx_lm":
+        return "-"
+    if r["depth"] == "auto":
+        return f"auto={r['depth_used']}"
+    return str(r["depth"])
+
+
+def _spread(r: dict) -> str:
+    s = r.get("ratio_spread")
+    if not s or not r.get("paired_ratios"):
+        return ""
+    return f" [{s[0]:.2f}, {s[1]:.2f}]"
+
+
+def _rates(rates: Optional[Sequence[Optional[float]]]) -> str:
+    if not rates:
+        return "-"
+    return " ".join("-" if x is None else f"{x:.2f}" for x in rates)
+
+
+def _efficiency(r: dict) -> Optional[float]:
+    """Measured decode speed-up over the predicted one: how much of the gain
+    the acceptance and bare costs allow the runtime delivers."""
+    pred, meas = r.get("predicted_speedup"), r.get("measured_decode_speedup")
+    return meas / pred if pred and meas is not None else None
+
+
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)

@@ -1,0 +1,290 @@
+"""The benchmark's own logic: pairing, medians, the ideal and predicted
+formulas, the records' schema and the table. No test asserts a speed."""
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from mtplx import bench
+from mtplx.bench import (
+    BenchPlan,
+    Run,
+    acceptance_summary,
+    add_measured_speedups,
+    paired_ratios,
+    predicted_from_ideal,
+    ratio_summary,
+    encode_prompts,
+    parse_args,
+    settings_from_args,
+    take_prompts,
+)
+from mtplx.bench_report import format_table, write_plot
+from mtplx.completion import Completion
+from mtplx.costs import BareCosts
+
+# ------------------------------------------------------------ unit: statistics
+
+
+def test_paired_ratio_divides_each_engine_run_by_its_adjacent_baseline():
+    pairs = [(10.0, 12.0), (20.0, 22.0), (5.0, 4.0)]
+    assert paired_ratios(pairs) == pytest.approx([1.2, 1.1, 0.8])
+
+
+def test_ratio_summary_is_the_median_with_min_and_max_as_spread():
+    s = ratio_summary([1.3, 0.9, 1.1, 1.0, 2.0])  # mean 1.26, median 1.1
+    assert s["ratio_vs_mlx_lm"] == pytest.approx(1.1)
+    assert s["ratio_spread"] == pytest.approx([0.9, 2.0])
+    assert s["paired_ratios"] == [1.3, 0.9, 1.1, 1.0, 2.0]
+
+
+def test_pairing_cancels_a_machine_slowdown_that_hits_one_pair():
+    # The engine is always 1.25x its neighbour; the machine is 4x slower during pair 2.
+    runs = [(Run(100, 1.0, 0.0), Run(125, 1.0, 0.0)), (Run(100, 4.0, 0.0), Run(125, 4.0, 0.0)),
+            (Run(100, 1.0, 0.0), Run(125, 1.0, 0.0))]
+    ratios = paired_ratios([(b.tokens_per_s, e.tokens_per_s) for b, e in runs])
+    assert ratio_summary(ratios)["ratio_vs_mlx_lm"] == pytest.approx(1.25)
+    assert ratio_summary(ratios)["ratio_spread"] == pytest.approx([1.25, 1.25])
+
+
+def test_run_rates_count_tokens_over_wall_and_over_time_outside_prefill():
+    run = Run(tokens=60, seconds=2.0, prefill_seconds=0.5)
+    assert run.tokens_per_s == pytest.approx(30.0)
+    assert run.decode_tokens_per_s == pytest.approx(40.0)
+
+
+def _completion(tokens, steps, drafted, accepted):
+    return Completion(index=0, tokens=list(range(tokens)), steps=steps, drafted_by_depth=drafted, accepted_by_depth=accepted)
+
+
+def test_acceptance_summary_sums_rows_per_depth_as_design_metrics_define():
+    rows = [
+        _completion(tokens=9, steps=4, drafted=[4, 4], accepted=[3, 1]),
+        _completion(tokens=4, steps=2, drafted=[2, 1], accepted=[1, 0]),
+    ]
+    s = acceptance_summary(rows, depth=2)
+    assert s["acceptance_by_depth"] == pytest.approx([4 / 6, 1 / 5])
+    assert s["acceptance_rate"] == pytest.approx(5 / 11)
+    assert s["ideal_tokens_per_cycle"] == pytest.approx(1 + 5 / 6)
+    # tokens delivered by cycles: each row's first token came from the prefill
+    assert s["mean_accepted_length"] == pytest.approx((8 + 3) / 6)
+    assert s["row_cycles"] == 6
+
+
+def test_acceptance_summary_at_depth_zero_is_one_token_per_cycle():
+    s = acceptance_summary([_completion(tokens=5, steps=4, drafted=[], accepted=[])], depth=0)
+    assert s["acceptance_by_depth"] == [] and s["acceptance_rate"] is None
+    assert s["ideal_tokens_per_cycle"] == 1.0 and s["mean_accepted_length"] == 1.0
+
+
+def test_predicted_speedup_is_ideal_tokens_times_step_over_verify_plus_k_heads():
+    costs = BareCosts(batch_size=1, context=64, step_s=10.0, verify_s={1: 11.0, 2: 12.0}, head_s=1.0)
+    assert predicted_from_ideal(costs, 2.4, 2) == pytest.approx(2.4 * 10.0 / (12.0 + 2 * 1.0))
+    assert predicted_from_ideal(costs, 1.5, 1) == pytest.approx(1.5 * 10.0 / 12.0)
+    assert predicted_from_ideal(costs, 1.0, 0) == pytest.approx(1.0)
+    assert predicted_from_ideal(costs, None, 1) is None
+
+
+def test_measured_speedup_is_each_depth_over_depth_zero_both_against_their_baselines():
+    recs = [
+        {"depth": 0, "ratio_vs_mlx_lm": 0.8, "decode_ratio_vs_mlx_lm": 0.9},
+        {"depth": 2, "ratio_vs_mlx_lm": 1.2, "decode_ratio_vs_mlx_lm": 1.8},
+    ]
+    add_measured_speedups(recs)
+    assert recs[0]["measured_speedup"] == pytest.approx(1.0)
+    assert recs[1]["measured_speedup"] == pytest.approx(1.5)
+    assert recs[1]["measured_decode_speedup"] == pytest.approx(2.0)
+
+
+def test_take_prompts_cycles_a_small_pool():
+    assert take_prompts([[1], [2]], 5) == [[1], [2], [1], [2], [1]]
+
+
+class _CharTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_prompts_are_clipped_to_their_last_tokens():
+    pool = encode_prompts(_CharTokenizer(), ["abcdef", [1, 2]], max_tokens=3)
+    assert pool == [[ord("d"), ord("e"), ord("f")], [1, 2]]
+    with pytest.raises(ValueError):
+        encode_prompts(_CharTokenizer(), ["", "x"])
+
+
+def test_default_prompts_come_from_the_prompts_parquet_else_the_built_in_list(tmp_path, monkeypatch):
+    from conftest import write_parquet
+
+    path = write_parquet(tmp_path / "p.parquet", id=["a", "b"], prompt=["def f():\n", "def g():\n"])
+    monkeypatch.setattr(bench, "REPO_PROMPTS", path)
+    assert bench.default_prompts() == (["def f():\n", "def g():\n"], str(path))
+    monkeypatch.setattr(bench, "REPO_PROMPTS", tmp_path / "missing.parquet")
+    assert bench.default_prompts() == (list(bench.BUILTIN_PROMPTS), "built-in")
+
+
+def test_plan_rejects_bad_depths_and_sizes():
+    with pytest.raises(ValueError):
+        BenchPlan((1,), (0, -1), (0.0,), 4, None, 1, 0)
+    with pytest.raises(ValueError):
+        BenchPlan((0,), (0,), (0.0,), 4, None, 1, 0)
+    assert BenchPlan((1,), (1, "auto"), (0.0,), 4, None, 1, 0).cost_depths(3) == [1, 2, 3]
+
+
+def test_quick_flag_gives_make_bench_settings_and_flags_override_it():
+    s = settings_from_args(parse_args(["--output", "x.json", "--quick", "--max-tokens", "32"]))
+    assert s["batch_sizes"] == (1, 4, 16) and s["depths"] == (0, 1, 2, 3, "auto")
+    assert s["max_tokens"] == 32 and s["repeats"] == 3 and s["max_prompt_tokens"] == 128
+    plain = settings_from_args(parse_args(["--output", "x.json", "--depths", "0,auto"]))
+    assert plain["depths"] == (0, "auto") and "batch_sizes" not in plain  # run_bench's default
+
+
+# ------------------------------------------------------------ the run order
+
+
+class _FakeRuntime:
+    def __init__(self, depth):
+        self.depth = depth
+        self.stats = {}
+
+
+def test_runs_alternate_baseline_and_engine_after_a_warm_up_and_pair_neighbours(monkeypatch):
+    calls = []
+    speeds = iter([50, 60, 100, 110, 10, 12, 100, 130, 5, 6])  # tok/s of successive timed calls
+
+    def fake_baseline(model, prompts, max_tokens, temperature, seed, batch_size):
+        n = max_tokens
+        calls.append(("mlx_lm", n))
+        return Run(100, 1.0, 0.0) if n == 4 else Run(100, 100 / next(speeds), 0.0)
+
+    def fake_engine(rt, prompts, max_tokens, temperature, seed):
+        n = max_tokens
+        calls.append((rt.depth, n))
+        outs = [_completion(tokens=n, steps=n - 1, drafted=[n - 1] * rt.depth, accepted=[1] * rt.depth)]
+        return Run(100, 1.0, 0.0, outs) if n == 4 else Run(100, 100 / next(speeds), 0.0, outs)
+
+    monkeypatch.setattr(bench, "run_baseline", fake_baseline)
+    monkeypatch.setattr(bench, "run_engine", fake_engine)
+    plan = BenchPlan((1,), (0, 1), (0.0,), 8, None, 2, 0)  # warm-up: min(8, 16) = 8 tokens
+    monkeypatch.setattr(bench, "WARMUP_TOKENS", 4)
+    costs = BareCosts(batch_size=1, context=8, step_s=1.0, verify_s={1: 1.0}, head_s=0.1)
+    recs = bench.bench_setting(None, {0: _FakeRuntime(0), 1: _FakeRuntime(1)}, [[1, 2]], 1, 0.0, costs, plan, lambda s: None)
+    assert calls == [
+        ("mlx_lm", 4),
+        (0, 4), ("mlx_lm", 8), (0, 8), ("mlx_lm", 8), (0, 8),
+        (1, 4), ("mlx_lm", 8), (1, 8), ("mlx_lm", 8), (1, 8),
+    ]
+    base, d0, d1 = recs
+    assert base["engine"] == "mlx_lm" and base["runs"] == 4
+    assert base["tokens_per_s"] == pytest.approx(statistics.median([50, 100, 10, 100]))
+    assert d0["paired_ratios"] == pytest.approx([60 / 50, 110 / 100])
+    assert d1["paired_ratios"] == pytest.approx([12 / 10, 130 / 100])
+    assert d1["measured_speedup"] == pytest.approx(d1["ratio_vs_mlx_lm"] / d0["ratio_vs_mlx_lm"])
+
+
+# ------------------------------------------------------------ a real tiny run
+
+MTPLX_KEYS = {
+    "engine", "batch_size", "depth", "depth_used", "temperature", "tokens_per_s", "ratio_vs_mlx_lm",
+    "ratio_spread", "acceptance_by_depth", "mean_accepted_length", "ideal_tokens_per_cycle",
+    "predicted_speedup", "measured_speedup", "bare_costs",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_records(tiny_model):
+    records = bench.run_bench(
+        tiny_model, batch_sizes=(1, 2), depths=(0, 1, "auto"), temperatures=(0.0,),
+        max_tokens=4, repeats=1, prompts=[[3, 4, 5], [6, 7, 8, 9, 10]], progress=False,
+    )
+    return json.loads(json.dumps(records))  # the records survive JSON unchanged
+
+
+def test_tiny_run_writes_a_header_with_machine_versions_and_blas(tiny_records, tiny_model):
+    header = tiny_records[0]
+    assert header["engine"] == "header"
+    assert header["model"] == str(tiny_model)
+    assert header["machine"]["cpu_count"] >= 1 and header["machine"]["platform"]
+    assert set(header["versions"]) >= {"python", "mlx", "mlx-lm", "mtplx"}
+    assert header["blas"]["name"]
+    assert header["prompts"]["count"] == 2 and header["max_tokens"] == 4
+
+
+def test_tiny_run_has_one_record_per_engine_batch_size_depth_and_temperature(tiny_records):
+    keys = [(r["engine"], r["batch_size"], r["depth"], r["temperature"]) for r in tiny_records[1:]]
+    expected = [(e, B, d, 0.0) for B in (1, 2) for e, d in [("mlx_lm", None), ("mtplx", 0), ("mtplx", 1), ("mtplx", "auto")]]
+    assert keys == expected
+
+
+def test_tiny_run_mtplx_records_follow_the_schema_and_formulas(tiny_records):
+    for r in tiny_records[1:]:
+        if r["engine"] != "mtplx":
+            assert r["ratio_vs_mlx_lm"] == 1.0 and r["tokens_per_s"] > 0
+            continue
+        assert MTPLX_KEYS <= set(r)
+        k = r["depth_used"]
+        assert k == r["depth"] or (r["depth"] == "auto" and isinstance(k, int) and "auto_choice" in r)
+        assert len(r["acceptance_by_depth"]) == k
+        assert r["ratio_vs_mlx_lm"] == pytest.approx(statistics.median(r["paired_ratios"]))
+        assert r["ratio_spread"] == pytest.approx([min(r["paired_ratios"]), max(r["paired_ratios"])])
+        c = r["bare_costs"]
+        cycle = c["step_s"] if k == 0 else c["verify_s"][str(k)] + k * c["head_s"]
+        assert r["predicted_speedup"] == pytest.approx(r["ideal_tokens_per_cycle"] * c["step_s"] / cycle)
+        assert r["ideal_tokens_per_cycle"] >= 1.0
+        if r["depth"] == 0:
+            assert r["measured_speedup"] == pytest.approx(1.0)
+
+
+def test_table_has_a_line_for_every_record_and_the_bare_costs(tiny_records):
+    table = format_table(tiny_records)
+    lines = table.splitlines()
+    for r in tiny_records[1:]:
+        depth = "-" if r["engine"] == "mlx_lm" else ("auto=" if r["depth"] == "auto" else str(r["depth"]))
+        assert any(
+            line.split()[:3] == [str(r["batch_size"]), "0", r["engine"]] and depth in line.split()[3]
+            and f"{r['tokens_per_s']:.1f}" in line
+            for line in lines
+        ), (r, table)
+    assert "bare costs" in table and "mlx-lm" in table
+
+
+def _plot_records():
+    rows = [{"engine": "header"}]
+    for B in (1, 4):
+        for t in (0.0, 1.0):
+            rows.append({"engine": "mlx_lm", "batch_size": B, "depth": None, "temperature": t, "tokens_per_s": 10.0 * B})
+            for d in (0, 2, "auto"):
+                rows.append({"engine": "mtplx", "batch_size": B, "depth": d, "temperature": t, "tokens_per_s": 12.0 * B})
+    return rows
+
+
+def test_plot_without_matplotlib_fails_with_a_clear_message(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(RuntimeError, match="matplotlib"):
+        write_plot(_plot_records(), tmp_path / "p.png")
+
+
+def test_module_entry_asked_to_plot_without_matplotlib_stops_before_running_with_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the bench ran"))
+    rc = bench.main(["--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "matplotlib" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_plot(_plot_records(), tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_module_entry_writes_json_records_and_prints_the_table(tiny_model, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--model", str(tiny_model), "--output", str(out), "--batch-sizes", "1", "--depths", "0",
+                     "--temperatures", "0", "--max-tokens", "2", "--repeats", "1", "--prompts", "1", "--quiet"])
+    assert rc == 0
+    records = json.loads(out.read_text())
+    assert [r["engine"] for r in records] == ["header", "mlx_lm", "mtplx"]
+    assert "mlx_lm" in capsys.readouterr().out
