@@ -8,8 +8,9 @@ when its row leaves (a NaN in a masked V entry still poisons attention).
 `SlotKVCache` implements the cache protocol mlx-lm's attention layers call
 (`offset`, `update_and_fetch`, `make_mask`), so no model file is forked.
 `SlotGDNCache` holds gated-delta (linear attention) state, which cannot be
-trimmed; the verify-time forward records its per-step inputs so that commit can
-replay only the recurrence up to each row's accepted position.
+trimmed; the verify-time forward keeps the state after each verified step and
+the conv input window, so commit selects each row's state at its accepted
+position.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 from typing import List, Optional
 
 import mlx.core as mx
-
-from mlx_lm.models.gated_delta import gated_delta_update
 
 _STEP = 256  # capacity grows in multiples of this many positions
 
@@ -130,8 +129,8 @@ class SlotGDNCache:
     """Gated-delta state per row: the conv window and the recurrent state.
 
     During verify the layer's own forward (see `families/qwen.py`) stores the
-    per-step recurrence inputs in `pending`; `commit` then keeps, per row, the
-    state after its accepted position by replaying only the recurrence.
+    state after each step and the conv input in `pending`; `commit` keeps, per
+    row, the state after its accepted position.
     """
 
     def __init__(self, batch_size: int):
@@ -155,19 +154,17 @@ class SlotGDNCache:
         self.pending = None
         if p is None:
             return
-        conv_input, state_after, q, k, v, a, b, A_log, dt_bias, state_before = p
-        T = q.shape[1]
+        conv_input, states = p  # [B, K-1+T, C], [B, T, Hv, Dv, Dk]
+        T = states.shape[1]
         n_keep = conv_input.shape[1] - T
         # The conv window is the input window ending at the last kept step.
         pos = keep[:, None] + mx.arange(n_keep)[None, :]  # [B, K-1]
         self.conv = mx.take_along_axis(conv_input, pos[..., None], axis=1)
         if all_kept:
-            self.state = state_after
+            self.state = states[:, -1]
             return
-        step_mask = mx.arange(T)[None, :] < keep[:, None]  # [B, T]
-        _, self.state = gated_delta_update(
-            q, k, v, a, b, A_log, dt_bias, state_before, step_mask, use_kernel=False
-        )
+        idx = (keep - 1).reshape(-1, 1, 1, 1, 1)  # [B, 1, 1, 1, 1]
+        self.state = mx.take_along_axis(states, idx, axis=1)[:, 0]  # [B, Hv, Dv, Dk]
 
     def write_rows(self, rows: mx.array, conv: mx.array, state: mx.array):
         """Replace whole slots: conv [R, K-1, C], state [R, Hv, Dv, Dk]."""

@@ -183,12 +183,22 @@ def gated_delta_verify(gdn, x, cache: SlotGDNCache):
         )
     ]
     q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
-    before = cache.state
-    out, after = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, before, None, use_kernel=not gdn.training)
-    cache.pending = (conv_input, after, q, k, v, a, b, gdn.A_log, gdn.dt_bias, before)
+    # One recurrence step at a time, keeping the state after each step, so
+    # commit picks each row's state instead of replaying the recurrence.
+    state = cache.state
+    outs, states = [], []
+    for t in range(S):
+        o, state = gated_delta_update(
+            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], a[:, t : t + 1], b[:, t : t + 1],
+            gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training,
+        )
+        outs.append(o)
+        states.append(state)
+    out = mx.concatenate(outs, axis=1) if S > 1 else outs[0]  # [B, S, Hv, Dv]
+    cache.pending = (conv_input, mx.stack(states, axis=1))  # [B, S, Hv, Dv, Dk]
     # Until commit, the cache holds the state after all S steps.
     cache.conv = conv_input[:, -(K - 1):]
-    cache.state = after
+    cache.state = state
     out = gdn.norm(out, z)  # [B, S, Hv, Dv]
     return gdn.out_proj(out.reshape(B, S, -1))
 
