@@ -30,6 +30,8 @@ from .sampling import (
     SamplingParams,
     batch_sampling,
     draft_tokens,
+    greedy_accept,
+    greedy_tokens,
     position_keys,
     row_hash,
     speculative_accept,
@@ -191,7 +193,8 @@ class MTPLXRuntime:
         k = self.depth
         rows = list(batch.rows)
         span = batch.span_bound(batch.trunk_len, in_flight)
-        keys = position_keys(
+        greedy = batch.sampling.all_greedy  # no random draws, no probability tensors
+        keys = None if greedy else position_keys(
             seed,
             [r.key_hash if r is not None else 0 for r in rows],
             [r.sample_index if r is not None else 0 for r in rows],
@@ -215,12 +218,16 @@ class MTPLXRuntime:
         # drafts stop before j, and it errors only if j is where it decides.
         bad_pos = mx.any(~mx.isfinite(logits), axis=-1)  # [B, k+1]
         first_bad = mx.where(mx.any(bad_pos, axis=1), mx.argmax(bad_pos, axis=1), k + 1)  # [B]
-        p = target_probs(mx.where(bad_pos[..., None], 0.0, logits), batch.sampling)  # [B, k+1, V]
-        q = p[:, :0] if q is None else q
+        logits = mx.where(bad_pos[..., None], 0.0, logits)
         nv = mx.minimum(num_valid, first_bad.astype(mx.int32))  # [B]
-        accepted, nxt = speculative_accept(
-            drafts, q, p, keys, num_valid=nv, rule=self.contract.acceptance, check_finite=False
-        )  # [B], [B]
+        if greedy:
+            accepted, nxt = greedy_accept(drafts, logits, num_valid=nv)  # [B], [B]
+        else:
+            p = target_probs(logits, batch.sampling)  # [B, k+1, V]
+            q = p[:, :0] if q is None else q
+            accepted, nxt = speculative_accept(
+                drafts, q, p, keys, num_valid=nv, rule=self.contract.acceptance, check_finite=False
+            )  # [B], [B]
         bad = first_bad == accepted  # [B]
         emitted_ids = mx.where(
             mx.arange(k + 1)[None, :] == accepted[:, None],
@@ -270,8 +277,11 @@ class MTPLXRuntime:
         for i in range(1, k + 1):
             # A head gone non-finite only costs acceptance: any q is exact.
             logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))
-            q_i = target_probs(logits[:, None], batch.sampling)  # [B, 1, V]
-            d_i = draft_tokens(q_i, keys[:, i - 1 : i], rule)  # [B, 1]
+            if keys is None:  # all rows greedy
+                d_i, q_i = greedy_tokens(logits)[:, None], None  # [B, 1]
+            else:
+                q_i = target_probs(logits[:, None], batch.sampling)  # [B, 1, V]
+                d_i = draft_tokens(q_i, keys[:, i - 1 : i], rule)  # [B, 1]
             drafts.append(d_i)
             qs.append(q_i)
             if i < k:
@@ -279,7 +289,8 @@ class MTPLXRuntime:
                 logits, hidden = lg[:, 0], out[:, 0]
         if k > 1:  # roll back the entries written from the head's own hidden
             batch.set_head_lengths(committed, span + self.depth + 1)
-        return mx.concatenate(drafts, axis=1), mx.concatenate(qs, axis=1)
+        q = None if keys is None else mx.concatenate(qs, axis=1)
+        return mx.concatenate(drafts, axis=1), q
 
     # -- reading a finished cycle (host) -------------------------------------
     def _collect(self, batch: SlotBatch, inf: "_InFlight") -> List[Completion]:

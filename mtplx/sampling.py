@@ -474,3 +474,22 @@ def speculative_accept(
     residual = residual_distribution(_at(p, accepted), q_next, mask)  # [B, V]
     u_next = uniform_from_keys(purpose_keys(_at(keys, accepted), Purpose.RESIDUAL))  # [B]
     return accepted, _categorical(residual, u_next)
+
+
+def greedy_accept(draft: mx.array, logits: mx.array, num_valid=None) -> tuple[mx.array, mx.array]:
+    """speculative_accept for a batch whose rows are all greedy, without the
+    probability tensors: accept d_i while it is the target's argmax (ties to
+    the lowest id), then emit the argmax at the first rejected or bonus
+    position. draft [B, k], logits [B, k+1, V] -> (accepted [B], next [B]).
+    """
+    B, k = draft.shape
+    target = _lowest_argmax(logits)  # [B, k+1]
+    nv = mx.full((B,), k, dtype=mx.int32) if num_valid is None else mx.clip(num_valid.astype(mx.int32), 0, k)
+    valid = mx.arange(k, dtype=mx.int32)[None, :] < nv[:, None]  # [B, k]
+    accepted = _accepted_count((draft.astype(mx.int32) == target[:, :k]) & valid)  # [B]
+    return accepted, _at(target, accepted)
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """The argmax of each row's logits [..., V], ties to the lowest id."""
+    return _lowest_argmax(logits)

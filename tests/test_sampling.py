@@ -686,3 +686,18 @@ def test_sampling_params_defaults_are_greedy_and_batch_as_arrays():
 def test_unknown_rule_is_rejected():
     with pytest.raises(ValueError, match="rule"):
         sample_plain(mx.ones((1, 1, 2)) / 2, mx.zeros((1, 1, 2), dtype=mx.uint32), "typo")
+
+
+def test_greedy_fast_path_equals_the_general_rule_on_one_hot_targets():
+    rng = np.random.default_rng(7)
+    B, k, V = 64, 3, 12
+    logits = mx.array(rng.integers(0, 4, size=(B, k + 1, V)).astype(np.float32))  # many exact ties
+    draft = mx.array(rng.integers(0, V, size=(B, k)).astype(np.int32))
+    nv = mx.array(rng.integers(0, k + 1, size=B).astype(np.int32))
+    bs = batch_sampling([SamplingParams()] * B)
+    p = target_probs(logits, bs)
+    keys = sampling.position_keys(0, list(range(B)), [0] * B, mx.zeros((B, k + 1), dtype=mx.int32))
+    for rule in ("residual", "coupled"):
+        a_ref, n_ref = speculative_accept(draft, p[:, :k], p, keys, num_valid=nv, rule=rule)
+        a, n = sampling.greedy_accept(draft, logits, num_valid=nv)
+        assert np.array_equal(np.array(a), np.array(a_ref)) and np.array_equal(np.array(n), np.array(n_ref))
