@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory openblas
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	@touch $(STAMP)
 
 openblas:

@@ -98,8 +98,16 @@ def cli():
 @click.option("--model", "model", default=None, help="Checkpoint directory to use instead of the spec's [model] path.")
 @click.option("--output", "output", default=None, type=click.Path(path_type=Path),
               help="Output directory to use instead of the spec's [output] path.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default=None,
+              help="Where the job runs: this process (local) or a Ray cluster (ray; needs "
+                   "pip install 'mtplx[ray]', see docs/ray.md) [default: the spec's engine, else local].")
+@click.option("--address", default=None, help="Ray cluster address (e.g. auto, HEAD:6379, ray://HEAD:10001) "
+                                              "instead of the spec's [ray] address; with --engine ray.")
+@click.option("--actors", type=click.IntRange(1), default=None,
+              help="Ray actors (model copies), instead of the spec's [ray] actors [default: one per node "
+                   "advertising the mlx resource, else one per node]; with --engine ray.")
 @_run_options
-def run_cmd(job, model, output, overwrite, dry_run, quiet, logprobs, max_memory):
+def run_cmd(job, model, output, engine, address, actors, overwrite, dry_run, quiet, logprobs, max_memory):
     """Run the job spec JOB (TOML).
 
     Rows are written to part-NNNNN.parquet files in the spec's [output] path,
@@ -117,7 +125,23 @@ def run_cmd(job, model, output, overwrite, dry_run, quiet, logprobs, max_memory)
         spec = replace(spec, model=replace(spec.model, path=str(Path(model).expanduser())))
     if output:
         spec = replace(spec, output=replace(spec.output, path=str(Path(output).expanduser())))
+    spec = _with_engine(spec, engine, address, actors)
     _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
+
+
+def _with_engine(spec, engine, address, actors):
+    from dataclasses import replace
+
+    if engine:
+        spec = replace(spec, engine=engine)
+    if (address or actors) and spec.engine != "ray":
+        raise JobError("--address and --actors apply to the Ray engine: add --engine ray (or engine = \"ray\" in the spec)")
+    ray = spec.ray
+    if address:
+        ray = replace(ray, address=address)
+    if actors:
+        ray = replace(ray, actors=actors)
+    return replace(spec, ray=ray)
 
 
 @cli.command("generate")

@@ -25,7 +25,9 @@ from .plan import Plan
 
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
-PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
+# `part-NNNNN.parquet` (the local engine) or `part-sSSSSS-KKKKK.parquet` (part
+# K of shard S, the Ray engine: a retried shard reuses its own names).
+PART_RE = re.compile(r"^part-(?:(\d{5,})|s(\d{5,})-(\d{5,}))\.parquet$")
 TEMP_SUFFIX = ".tmp"
 
 
@@ -33,11 +35,36 @@ def part_name(number: int) -> str:
     return f"part-{number:05d}.parquet"
 
 
+def shard_part_name(shard: int, number: int) -> str:
+    return f"part-s{shard:05d}-{number:05d}.parquet"
+
+
+def _part_order(p: Path):
+    plain, shard, number = PART_RE.match(p.name).groups()
+    return (0, int(plain), 0) if plain is not None else (1, int(shard), int(number))
+
+
 def part_files(out: Path) -> List[Path]:
     if not out.is_dir():
         return []
     parts = [p for p in out.iterdir() if PART_RE.match(p.name)]
-    return sorted(parts, key=lambda p: int(PART_RE.match(p.name).group(1)))
+    return sorted(parts, key=_part_order)
+
+
+def shard_part_files(out: Path, shard: int) -> List[Path]:
+    return [p for p in part_files(out) if _part_order(p)[:2] == (1, shard)]
+
+
+def next_shard_part(parts: List[Path]) -> int:
+    """The part number after the last of a shard's parts."""
+    return 1 + max((_part_order(p)[2] for p in parts), default=-1)
+
+
+def remove_shard_temp_files(out: Path, shard: int) -> None:
+    """What an attempt at the shard that died mid-write left behind."""
+    prefix = shard_part_name(shard, 0).rsplit("-", 1)[0] + "-"
+    for p in out.glob(prefix + "*" + TEMP_SUFFIX):
+        p.unlink(missing_ok=True)
 
 
 @dataclass
@@ -47,6 +74,7 @@ class OutputState:
     rows_done: int
     next_part: int
     existed: bool  # a previous run left a manifest here
+    next_shard: int = 0  # the first shard number no part file uses
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -157,6 +185,15 @@ def changed_parts(old: dict, new: dict) -> str:
 
 def _scan_parts(out: Path, plan: Plan, existed: bool) -> OutputState:
     parts = part_files(out)
+    done, rows = scan_keys(parts, plan)
+    orders = [_part_order(p) for p in parts]
+    next_part = 1 + max((n for kind, n, _ in orders if kind == 0), default=-1)
+    next_shard = 1 + max((s for kind, s, _ in orders if kind == 1), default=-1)
+    return OutputState(out, done, rows, next_part, existed, next_shard)
+
+
+def scan_keys(parts: List[Path], plan: Plan):
+    """(KeySet of the rows the parts hold, their row count)."""
     chunks, rows = [], 0
     for p in parts:
         table = _read_keys(p, plan)
@@ -166,8 +203,7 @@ def _scan_parts(out: Path, plan: Plan, existed: bool) -> OutputState:
         s = _column_or_zero(table, "sample_index")
         chunks.append(row_keys(hashes, t, s))
         rows += table.num_rows
-    last = int(PART_RE.match(parts[-1].name).group(1)) if parts else -1
-    return OutputState(out, KeySet(chunks), rows, last + 1, existed)
+    return KeySet(chunks), rows
 
 
 def _read_keys(p: Path, plan: Plan) -> pa.Table:

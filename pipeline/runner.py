@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 from .engine import ModelRef, OpenEngine, load_tokenizer, max_context_of, open_engine, read_config, resolve_model
 from .errors import EXIT_OK, EXIT_ROW_ERRORS
@@ -78,11 +78,19 @@ def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
 
 def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = open_engine, log: Log = print) -> RunResult:
     started = time.monotonic()
+    if spec.engine == "ray":
+        from .ray_engine import import_ray
+
+        import_ray()  # before anything else: without Ray, say how to install it
     job = prepare(spec, opts)
     if opts.dry_run:
         return dry_run(job, opts)
     out = Path(job.spec.output.path)
     state = open_output(out, job.plan, job.manifest, overwrite=opts.overwrite, dry_run=False)
+    if job.spec.engine == "ray":
+        from .ray_engine import run_on_ray
+
+        return run_on_ray(job, opts, state, started, log)
     engine = engine_factory(job.ref, job.spec, job.spec.batch.max_memory)
     todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
     if not opts.quiet:
@@ -110,7 +118,11 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
         progress.close()
     run = throughput(engine.stats, time.monotonic() - started, writer.rows_written, progress.tokens)
     run["startup_seconds"] = t0 - started  # validation, resume scan, model load
-    runtime = {**engine.settings, "stats": engine.stats}
+    return finish_job(job, out, run, {**engine.settings, "stats": engine.stats})
+
+
+def finish_job(job: Prepared, out: Path, run: dict, runtime: dict) -> RunResult:
+    """summary.json from the parts plus this run's figures; the exit code."""
     model = {"path": str(job.ref.path), "default": job.ref.is_default, "fingerprint": job.ref.fingerprint}
     summary = build_summary(out, name=job.spec.name, spec=job.spec.to_dict(), manifest=job.manifest, model=model,
                             input_rows=job.source.num_rows, run=run, runtime=runtime)
@@ -130,13 +142,19 @@ def _save_finished_rows(writer: PartWriter) -> None:
 
 
 def _stream(job: Prepared, engine, state: OutputState, writer: PartWriter, progress: Progress) -> None:
+    encoder = PromptEncoder(job.spec.prompt, engine.tokenizer)
+    stream_rows(read_rows(job.source, job.plan, encoder, state.done), job.plan, engine, writer, progress)
+
+
+def stream_rows(rows: Iterable[PromptRow], plan: Plan, engine, writer: PartWriter, progress) -> None:
+    """Prompt rows -> length order -> the runtime -> output rows in `writer`;
+    `progress.row(...)` is told about every row. The Ray actors run this too."""
     from mtplx.sampling import SamplingParams
 
-    plan, spec = job.plan, job.spec
+    spec = plan.spec
     s = spec.sampling
     sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
     scorer = make_scorer(spec.evaluation) if spec.evaluation else None
-    encoder = PromptEncoder(spec.prompt, engine.tokenizer)
     inflight: dict = {}
 
     def on_error(r: PromptRow) -> None:
@@ -144,7 +162,6 @@ def _stream(job: Prepared, engine, state: OutputState, writer: PartWriter, progr
             writer.add(error_row(plan, r, sample))
             progress.row(0, 0, 0, error=True)
 
-    rows = read_rows(job.source, plan, encoder, state.done)
     ordered = length_ordered(rows, spec.batch.window, on_error)
     feed = requests(ordered, plan, engine.request_type, sampling, inflight)
     for c in engine.stream(feed, seed=s.seed):
@@ -210,6 +227,11 @@ def dry_run(job: Prepared, opts: RunOptions) -> RunResult:
         f"output: {out} ({_output_state(state, opts)})",
         f"columns: {', '.join(plan.schema.names)}",
     ]
+    if spec.engine == "ray":
+        r = spec.ray
+        report.insert(2, f"engine: ray (address {r.address or 'auto-detected, else a new local instance'}, "
+                         f"actors {r.actors or 'one per node'}, "
+                         + (f"shards of {r.shard_rows} prompt rows)" if r.shard_rows else "shards sized to the job)"))
     return RunResult(EXIT_OK, None, report)
 
 

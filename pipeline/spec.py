@@ -21,6 +21,7 @@ from .errors import JobError
 
 SCORERS = ("exact", "contains", "regex")
 ACCEPTANCE_RULES = ("residual", "coupled")
+ENGINES = ("local", "ray")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,16 @@ class EvaluationSpec:
 
 
 @dataclass(frozen=True)
+class RaySpec:
+    """Where and how wide a job runs on Ray (docs/ray.md); scheduling only,
+    so not part of the spec hash."""
+
+    address: Optional[str] = None  # None: ray.init()'s own search, else a new local instance
+    actors: Optional[int] = None  # None: one per node advertising "mlx", else one per node
+    shard_rows: Optional[int] = None  # prompt rows per shard handed to an actor; None: sized to the job
+
+
+@dataclass(frozen=True)
 class JobSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     input: InputSpec = field(default_factory=InputSpec)
@@ -108,6 +119,8 @@ class JobSpec:
     output: OutputSpec = field(default_factory=OutputSpec)
     evaluation: Optional[EvaluationSpec] = None
     name: str = "job"
+    engine: str = "local"  # "local" or "ray"
+    ray: RaySpec = field(default_factory=RaySpec)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,9 +129,8 @@ class JobSpec:
         """What decides the rows' content, minus the locations (the model and the
         input enter the hash by their fingerprints, so moving files is harmless)."""
         d = self.to_dict()
-        d.pop("batch")
-        d.pop("output")
-        d.pop("name")
+        for k in ("batch", "output", "name", "engine", "ray"):
+            d.pop(k)
         d["model"].pop("path")
         for k in ("path", "dataset"):
             d["input"].pop(k)
@@ -292,6 +304,11 @@ SECTIONS: Dict[str, Tuple[type, Dict[str, Tuple[str, Checker]]]] = {
         "flush_rows": ("flush_rows", _int(1)),
         "flush_seconds": ("flush_seconds", _float(0.0, 1e9, lo_open=True)),
     }),
+    "ray": (RaySpec, {
+        "address": ("address", _str),
+        "actors": ("actors", _int(1, 100_000)),
+        "shard_rows": ("shard_rows", _int(1)),
+    }),
     "evaluation": (EvaluationSpec, {
         "reference_column": ("reference_column", _str),
         "scorer": ("scorer", _choice(*SCORERS)),
@@ -299,7 +316,7 @@ SECTIONS: Dict[str, Tuple[type, Dict[str, Tuple[str, Checker]]]] = {
         "strip": ("strip", _bool),
     }),
 }
-TOP_LEVEL_KEYS = ("name",)
+TOP_LEVEL_KEYS = ("name", "engine")
 
 
 def _parse_section(name: str, table) -> Any:
@@ -323,7 +340,8 @@ def spec_from_dict(doc: dict, base_dir: Optional[Path] = None) -> JobSpec:
             raise JobError(f"unknown key {key!r} at the top level of the job spec; allowed: {allowed}")
     parts = {name: _parse_section(name, doc[name]) for name in SECTIONS if name in doc}
     name = _str("name", doc["name"]) if "name" in doc else "job"
-    spec = JobSpec(name=name, **parts)
+    engine = _choice(*ENGINES)("engine", doc["engine"]) if "engine" in doc else "local"
+    spec = JobSpec(name=name, engine=engine, **parts)
     if base_dir is not None:
         spec = _resolve_paths(spec, Path(base_dir))
     check_spec(spec)

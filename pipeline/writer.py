@@ -19,8 +19,10 @@ from .signals import Stopper
 
 class PartWriter:
     def __init__(self, out: Path, schema: pa.Schema, first_part: int, *, flush_rows: int, flush_seconds: float,
-                 stopper: Optional[Stopper] = None, clock: Callable[[], float] = time.monotonic):
+                 stopper: Optional[Stopper] = None, clock: Callable[[], float] = time.monotonic,
+                 naming: Callable[[int], str] = part_name):
         self.out = out
+        self.naming = naming  # part number -> file name
         self.schema = schema
         self.next_part = first_part
         self.flush_rows = flush_rows
@@ -51,7 +53,7 @@ class PartWriter:
         if not self.rows:
             return
         table = pa.Table.from_pylist(self.rows, schema=self.schema)
-        final = self.out / part_name(self.next_part)
+        final = self.out / self.naming(self.next_part)
         tmp = final.with_name(final.name + TEMP_SUFFIX)
         try:
             with open(tmp, "wb") as f:

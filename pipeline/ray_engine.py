@@ -1,0 +1,251 @@
+"""The Ray engine: the same job, spread over the machines of a Ray cluster.
+
+The driver (the `mtplx run` process) validates the job, owns the manifest and
+the resume scan exactly as the local engine does, reads and tokenises the
+input, and cuts the rows still to do into shards of `[ray] shard_rows`
+prompt rows. One actor per machine (`ShardWorker`) loads the model once and
+decodes each shard it is handed through the runtime's continuous batching,
+writing `part-sSSSSS-KKKKK.parquet` into the shared output directory. The
+part files stay the only record of what is done, so a rerun resumes, and
+`summary.json` is computed from them as for a local run.
+
+Ray is optional: this module imports it only inside functions, and
+`import_ray` turns its absence into one line that says how to install it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+
+from .engine import load_tokenizer
+from .errors import JobError
+from .outdir import OutputState, part_files
+from .progress import Progress
+from .prompts import PromptEncoder
+from .reader import PromptRow, read_rows
+from .signals import JobInterrupted, Stopper
+from .summary import throughput
+
+INSTALL_HINT = "--engine ray needs Ray, which is not installed: pip install 'mtplx[ray]'"
+MLX_RESOURCE = "mlx"  # what `ray start --resources '{"mlx": 1}'` advertises: one MTPLX actor per machine
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise JobError(INSTALL_HINT) from None
+    return ray
+
+
+@dataclass(frozen=True)
+class Placement:
+    actors: int
+    options: dict  # for ActorClass.options()
+    rule: str  # how the actors were placed, for the summary
+
+
+def place_actors(resources: dict, nodes: int, wanted: Optional[int]) -> Placement:
+    """One actor per machine that advertises the `mlx` resource; on a cluster
+    that advertises none, one CPU each, spread over the nodes (by default one
+    per node)."""
+    mlx = int(resources.get(MLX_RESOURCE, 0))
+    if mlx:
+        n = wanted or mlx
+        if n > mlx:
+            raise JobError(f"{n} actors asked for, but the cluster advertises {mlx} {MLX_RESOURCE!r} resource(s) "
+                           "(one per machine: ray start ... --resources '{\"mlx\": 1}')")
+        return Placement(n, {"num_cpus": 1, "resources": {MLX_RESOURCE: 1}}, f"resource {MLX_RESOURCE}")
+    cpus = int(resources.get("CPU", 0))
+    n = wanted or max(nodes, 1)
+    if n > cpus:
+        raise JobError(f"{n} actors asked for, but the cluster has {cpus} CPUs and no {MLX_RESOURCE!r} resource "
+                       "(each actor takes one CPU)")
+    return Placement(n, {"num_cpus": 1, "scheduling_strategy": "SPREAD"}, "CPU, spread over nodes")
+
+
+MAX_SHARD_ROWS = 1024
+
+
+def shard_size(wanted: Optional[int], prompts: int, actors: int, max_batch: int) -> int:
+    """Prompt rows per shard. Each shard is one continuous-batching stream that
+    drains at its end, so shards are long (8 slot-fulls, up to MAX_SHARD_ROWS);
+    but a small job still gets about 4 shards per actor, and never fewer than
+    one per actor, so that every actor works and the last shards balance."""
+    if wanted:
+        return wanted
+    balanced = -(-prompts // (4 * actors))
+    long_enough = min(8 * max_batch, -(-prompts // actors))
+    return max(1, min(MAX_SHARD_ROWS, max(balanced, long_enough)))
+
+
+def numbered_shards(rows: Iterator[PromptRow], shard_rows: int, first: int) -> Iterator[Tuple[int, List[PromptRow]]]:
+    """Consecutive prompt rows in shards of `shard_rows`, numbered from
+    `first` (the first number no existing part file uses)."""
+    buf: List[PromptRow] = []
+    numbers = count(first)
+    for r in rows:
+        buf.append(r)
+        if len(buf) >= shard_rows:
+            yield next(numbers), buf
+            buf = []
+    if buf:
+        yield next(numbers), buf
+
+
+def run_on_ray(job, opts, state: OutputState, started: float, log):
+    """The Ray counterpart of the local loop in `runner.run_job`."""
+    from .runner import RunResult, finish_job
+
+    ray = import_ray()
+    spec, out = job.spec, state.path
+    todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
+    owns = _connect(ray, spec.ray.address, opts.quiet)
+    workers, settings = [], {"engine": "ray", "actors": 0}
+    stopper = Stopper()
+    try:
+        if todo > 0:
+            placement = place_actors(ray.cluster_resources(), _alive_nodes(ray), spec.ray.actors)
+            workers, ready = _start_workers(ray, job, out, placement)
+            settings = _settings(ready, placement, spec)
+            prompts = -(-todo // job.plan.n)  # the shards count prompt rows; each has n samples
+            settings["shard_rows"] = shard_size(spec.ray.shard_rows, prompts, placement.actors,
+                                                settings.get("max_batch", spec.batch.max_batch))
+        if not opts.quiet:
+            note = f"resuming: {state.rows_done} rows already in {out}" if state.rows_done else f"writing to {out}"
+            log(f"{spec.name}: {note}; on Ray with {len(workers)} actors")
+        t0 = time.monotonic()
+        progress = Progress(max(todo, 0), opts.quiet)
+        tally = _RunTally(progress)
+        stopper.install()
+        try:
+            if workers:
+                from .ray_dispatch import dispatch
+
+                encoder = PromptEncoder(spec.prompt, load_tokenizer(job.ref))
+                rows = read_rows(job.source, job.plan, encoder, state.done)
+                shards = numbered_shards(rows, settings["shard_rows"], state.next_shard)
+                sent = dispatch(ray, workers, shards, tally.add, log, shield=stopper.critical)
+                settings.update(shards=sent.shards, retried_shards=sent.retried, actors_lost=sent.actors_lost)
+        except JobInterrupted as e:
+            written = _rows_in_parts(out) - state.rows_done
+            msg = f"interrupted by {e}: {written} rows written this run; rerun the same command to resume"
+            return RunResult(128 + e.signum, None, [], [msg])
+        finally:
+            stopper.restore()
+            progress.close()
+    finally:
+        _stop(ray, workers, owns)
+    # Rows from the parts: an attempt that died wrote some its report never counted.
+    written = _rows_in_parts(out) - state.rows_done
+    run = throughput(tally.stats, time.monotonic() - started, written, tally.tokens)
+    run["startup_seconds"] = t0 - started  # validation, resume scan, cluster connection, model loads
+    runtime = {**settings, "stats": tally.stats, "actor_peak_memory": tally.actor_peak_memory}
+    return finish_job(job, out, run, runtime)
+
+
+class _RunTally:
+    """Shard reports -> the progress bar and this run's summed figures."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self.tokens = 0  # completion tokens of the shards finished this run
+        self.stats: dict = {}
+        self.actor_peak_memory: dict = {}  # the largest any actor reported
+
+    def add(self, report) -> None:
+        t = report.tally
+        self.tokens += t.tokens
+        for k, v in report.stats.items():
+            self.stats[k] = self.stats.get(k, 0) + v
+        for k, v in report.peak_memory.items():
+            self.actor_peak_memory[k] = max(self.actor_peak_memory.get(k, 0), v)
+        p = self.progress
+        p.rows += t.rows
+        p.errors += t.errors
+        p.tokens += t.tokens
+        p.drafted += t.drafted
+        p.accepted += t.accepted
+        p.bar.update(t.rows)
+        p.bar.set_postfix_str(p.postfix(time.monotonic()), refresh=False)
+
+
+def _connect(ray, address: Optional[str], quiet: bool) -> bool:
+    """Join the cluster (or start a local instance); True when this call
+    started Ray and so must shut it down."""
+    if ray.is_initialized():
+        return False
+    kwargs = {"logging_level": logging.ERROR if quiet else logging.INFO}
+    if not (address or "").startswith("ray://"):
+        kwargs["include_dashboard"] = False  # ignored when joining a running cluster
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, ValueError, RuntimeError) as e:
+        where = f"at {address}" if address else "(none found, and a local one could not start)"
+        raise JobError(f"cannot connect to the Ray cluster {where}: {_first_line(e)}") from None
+    return True
+
+
+def _rows_in_parts(out: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.read_metadata(p).num_rows for p in part_files(out))
+
+
+def _alive_nodes(ray) -> int:
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
+def _start_workers(ray, job, out: Path, placement: Placement):
+    from .ray_worker import ShardWorker
+
+    remote = ray.remote(ShardWorker)
+    token = secrets.token_hex(3)  # names stay unique when jobs share a cluster
+    workers = [
+        remote.options(name=f"mtplx-{job.spec.name}-{token}-{i}", max_restarts=0, **placement.options)
+        .remote(job.ref, job.spec, job.plan, str(out))
+        for i in range(placement.actors)
+    ]
+    try:
+        ready = ray.get([w.ready.remote() for w in workers])
+    except ray.exceptions.RayError as e:
+        _stop(ray, workers, False)
+        raise JobError(f"an MTPLX actor could not start: {_first_line(e)}") from None
+    for info in ready:
+        if info["error"]:
+            _stop(ray, workers, False)
+            raise JobError(info["error"])
+    return workers, ready
+
+
+def _settings(ready: List[dict], placement: Placement, spec) -> dict:
+    first = ready[0]["settings"]
+    return {
+        **first,
+        "engine": "ray",
+        "address": spec.ray.address,
+        "actors": placement.actors,
+        "placement": placement.rule,
+        "per_actor": [{"node": r["node"], **r["settings"]} for r in ready],
+    }
+
+
+def _stop(ray, workers: List, owns: bool) -> None:
+    for w in workers:
+        try:
+            ray.kill(w)
+        except Exception:
+            pass  # already gone
+    if owns:
+        ray.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
