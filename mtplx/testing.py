@@ -85,7 +85,14 @@ def _family(name):
 
 # -- Qwen3.5 / Qwen3.5-MoE / Qwen3-Next ----------------------------------------
 
-_QWEN_SHIFTED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "norm.weight", ".q_norm.weight", ".k_norm.weight")
+# The zero-centred norms of the HF layout: those mlx-lm's sanitize shifts by +1
+# (decoder-layer norms and the final norm) and the head-level norms MTPLX's
+# loader shifts. The gated-delta output norm (`linear_attn.norm`) is plain.
+_QWEN_SHIFTED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
+_QWEN_SHIFTED_EXACT = (
+    "model.language_model.norm.weight", "model.norm.weight",
+    "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+)
 
 
 def _qwen_text_config(model_type: str, moe: bool, o: dict) -> dict:
@@ -137,7 +144,7 @@ def _qwen_layer_to_hf(name: str, v: mx.array, fused_experts: bool) -> Dict[str, 
     """Undo the trunk sanitize for one parameter of a decoder layer."""
     if "conv1d.weight" in name:
         return {name: v.moveaxis(2, 1)}  # MLX [C, K, 1] -> HF [C, 1, K]
-    if name.endswith(_QWEN_SHIFTED) and v.ndim == 1:
+    if (name.endswith(_QWEN_SHIFTED) or name in _QWEN_SHIFTED_EXACT) and v.ndim == 1:
         return {name: v - 1.0}  # HF stores zero-centred norms
     if ".switch_mlp." in name:
         prefix, rest = name.split(".switch_mlp.")
