@@ -161,6 +161,22 @@ def _depthwise_conv(x, weight, S: int):
     return out
 
 
+def split_qkv(gdn, conv_out):
+    """The layer's conv output [B, S, C] -> normalised q, k [B, S, Hk, Dk] and
+    v [B, S, Hv, Dv], exactly as the layer's own forward does it."""
+    B, S, _ = conv_out.shape
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    return q, k, v
+
+
 def gated_delta_verify(gdn, x, cache: SlotGDNCache):
     """The gated-delta layer's forward with its per-step inputs kept for commit.
 
@@ -174,15 +190,7 @@ def gated_delta_verify(gdn, x, cache: SlotGDNCache):
     cache.ensure((K - 1, gdn.conv_dim), x.dtype, (gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim))
     conv_input = mx.concatenate([cache.conv, mixed], axis=1)  # [B, K-1+S, C]
     conv_out = nn.silu(_depthwise_conv(conv_input, gdn.conv1d.weight, S))  # [B, S, C]
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = split_qkv(gdn, conv_out)
     # One recurrence step at a time, keeping the state after each step, so
     # commit picks each row's state instead of replaying the recurrence.
     state = cache.state

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import normalize_qk
+from ..families.qwen import split_qkv
 
 
 def _unit_lower_inverse(a: mx.array, size: int) -> mx.array:
@@ -104,15 +104,7 @@ def gated_delta_layer_train(gdn, x: mx.array, chunk: int = 32) -> mx.array:
     b, a = gdn.in_proj_b(x), gdn.in_proj_a(x)  # [B, S, Hv]
     conv_input = mx.concatenate([mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), x.dtype), qkv], axis=1)
     conv_out = nn.silu(gdn.conv1d(conv_input))  # [B, S, conv_dim]
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = split_qkv(gdn, conv_out)
     y = chunked_gated_delta(q, k, v, log_gate(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), chunk)
     out = gdn.norm(y, z)  # [B, S, Hv, Dv]
     return gdn.out_proj(out.reshape(B, S, -1))
