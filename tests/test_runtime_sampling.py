@@ -28,7 +28,7 @@ from mtplx.testing import tiny_checkpoint
 from model_helpers import make_predictable
 from stats import chi2_threshold, chisq, noncentral_power
 
-N = 12_000
+N = 16_000
 TEMPERATURE = 1.5  # checked below: the target is neither near-one-hot nor near-uniform
 TOP_K = 4
 FAMILY_ALPHA = 1e-3
