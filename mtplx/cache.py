@@ -154,15 +154,14 @@ class SlotGDNCache:
         self.pending = None
         if p is None:
             return
+        if all_kept:  # the verify forward already left the state after all T steps
+            return
         conv_input, states = p  # [B, K-1+T, C], [B, T, Hv, Dv, Dk]
         T = states.shape[1]
         n_keep = conv_input.shape[1] - T
         # The conv window is the input window ending at the last kept step.
         pos = keep[:, None] + mx.arange(n_keep)[None, :]  # [B, K-1]
         self.conv = mx.take_along_axis(conv_input, pos[..., None], axis=1)
-        if all_kept:
-            self.state = states[:, -1]
-            return
         idx = (keep - 1).reshape(-1, 1, 1, 1, 1)  # [B, 1, 1, 1, 1]
         self.state = mx.take_along_axis(states, idx, axis=1)[:, 0]  # [B, Hv, Dv, Dk]
 
