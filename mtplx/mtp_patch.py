@@ -110,14 +110,5 @@ def family_for(config: dict) -> FamilyAdapter:
 
 
 def _import_families():
-    # Importing registers the adapters.
-    from .families import qwen  # noqa: F401
-
-    try:
-        from .families import deepseek  # noqa: F401
-    except ImportError:
-        pass
-    try:
-        from .families import mimo  # noqa: F401
-    except ImportError:
-        pass
+    # Importing a family module registers its adapter.
+    from .families import deepseek, mimo, qwen  # noqa: F401

@@ -37,7 +37,6 @@ class Prefilled:
 
 
 def prefill_batch(model, prompts: List[List[int]], chunk: int, with_head: bool) -> List[Prefilled]:
-    B = len(prompts)
     lengths = [len(p) for p in prompts]
     L = max(lengths)
     tokens = mx.array([p + [0] * (L - len(p)) for p in prompts], dtype=mx.int32)  # [B, L]

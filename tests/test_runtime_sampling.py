@@ -13,7 +13,6 @@ planted 1% TV error and a deliberately broken acceptance rule, so its power
 is proven, not assumed.
 """
 
-import itertools
 
 import mlx.core as mx
 import numpy as np

@@ -17,7 +17,7 @@ Head wiring (checked against vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py):
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import mlx.core as mx
 import mlx.nn as nn
