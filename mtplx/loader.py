@@ -87,15 +87,21 @@ class MTPModel:
         return [KVCache() for _ in range(self.num_head_layers)]
 
 
-def load(path, *, lazy: bool = False) -> MTPModel:
-    """Load a checkpoint (HF layout or converted by `mtplx convert`) with its MTP head."""
+def open_checkpoint(path):
+    """(path, config, family, shard files, {tensor: shape}) of a checkpoint
+    directory; every shard's size is checked against its header."""
     path = Path(path)
     config = read_config(path)
     family = family_for(config)
     files = shard_files(path)
     if not files:
         raise CheckpointError(f"no model*.safetensors shards in {path}")
-    shapes = shard_shapes(files)  # also validates every shard's size
+    return path, config, family, files, shard_shapes(files)
+
+
+def load(path, *, lazy: bool = False) -> MTPModel:
+    """Load a checkpoint (HF layout or converted by `mtplx convert`) with its MTP head."""
+    path, config, family, files, shapes = open_checkpoint(path)
     trunk = _load_trunk(path, family)
     tokenizer = _load_tokenizer(path, config)
     head, info = _load_head(path, config, family, trunk, files, shapes)

@@ -10,15 +10,13 @@ inspect a broken or stripped checkpoint.
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .checkpoint import read_config, shard_files, shard_shapes
-from .mtp_patch import CheckpointError, family_for
+from .mtp_patch import CheckpointError
 
 
 # -- module statistics (shared with convert) ---------------------------------------
@@ -78,15 +76,9 @@ def module_stats(module: nn.Module) -> dict:
 
 def describe_model(path) -> dict:
     """Family, trunk and head statistics, head depth and completeness."""
-    from .loader import _load_head, _load_trunk
+    from .loader import _load_head, _load_trunk, open_checkpoint
 
-    path = Path(path)
-    config = read_config(path)
-    family = family_for(config)
-    files = shard_files(path)
-    if not files:
-        raise CheckpointError(f"no model*.safetensors shards in {path}")
-    shapes = shard_shapes(files)
+    path, config, family, files, shapes = open_checkpoint(path)
     trunk = _load_trunk(path, family)
     declared = family.num_mtp_layers(config)
     head, info, problem = None, {"source": None}, None
