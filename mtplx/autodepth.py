@@ -51,7 +51,7 @@ def choose_depth(model, contract, max_batch: int):
         return 0, {"reason": "no MTP head"}
     acceptance = acceptance_prior(model)
     depths = range(1, contract.max_depth_auto + 1)
-    costs = measure_bare_costs(model, max_batch, depths=depths)
+    costs = measure_bare_costs(model, max_batch, depths=depths, compiled=contract.compile)
     k = best_depth(costs, acceptance, contract.max_depth_auto)
     record = {
         "depth": k,

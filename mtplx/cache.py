@@ -70,6 +70,10 @@ class SlotKVCache:
         return False
 
     # -- what the runtime calls --------------------------------------------
+    def reserve(self, needed: int):
+        """Grow the capacity to at least `needed` positions (keys must exist)."""
+        self._reserve(needed, self.keys, self.values)
+
     def _reserve(self, needed: int, keys: mx.array, values: mx.array):
         have = 0 if self.keys is None else self.keys.shape[2]
         if needed <= have:

@@ -3,8 +3,9 @@
 - `step_s`: one trunk forward of 1 token per row (plain decoding's step);
 - `verify_s[k]`: one trunk forward of k+1 tokens per row (a verify pass);
 - `head_s`: one head forward of 1 token per row (a draft step).
-Costs are measured with the slot caches the runtime uses, at a given batch
-size and context length, as medians of repeated timed passes.
+Costs are measured with the slot caches and the compiled passes the runtime
+uses (`mtplx.compiled.SlotPass`), at a given batch size and context length,
+as medians of repeated timed passes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Dict, Sequence
 import mlx.core as mx
 
 from .cache import SlotKVCache, make_slot_caches
+from .compiled import SlotPass, head_layer
 
 
 @dataclass
@@ -51,29 +53,37 @@ def predicted_speedup(costs: BareCosts, acceptance_by_depth: Sequence[float], k:
     return ideal_tokens_per_cycle(acceptance_by_depth, k) * costs.step_s / costs.cycle_s(k)
 
 
-def measure_bare_costs(model, batch_size: int, depths: Sequence[int] = (1, 2, 3), context: int = 64, repeats: int = 7) -> BareCosts:
+def measure_bare_costs(
+    model,
+    batch_size: int,
+    depths: Sequence[int] = (1, 2, 3),
+    context: int = 64,
+    repeats: int = 7,
+    compiled: bool = True,
+) -> BareCosts:
     """Median wall time of the bare passes on a warm cache of `context` tokens."""
     B = batch_size
     tokens = mx.zeros((B, max(depths, default=0) + 1), dtype=mx.int32)
 
-    def trunk_pass(T):
+    def trunk_pass(T, keep_pending):
         caches = _warm_trunk(model, B, context)
-        return _rolled_back(caches, lambda: model.forward(tokens[:, :T], caches))
+        run = SlotPass(model.forward, keep_pending=keep_pending, compiled=compiled)
+        return _rolled_back(caches, lambda: run((tokens[:, :T],), caches, T=T))
 
-    costs = BareCosts(batch_size=B, context=context, step_s=_median_time(trunk_pass(1), repeats))
+    costs = BareCosts(batch_size=B, context=context, step_s=_median_time(trunk_pass(1, False), repeats))
     for k in depths:
-        costs.verify_s[k] = _median_time(trunk_pass(k + 1), repeats)
+        costs.verify_s[k] = _median_time(trunk_pass(k + 1, True), repeats)
     if model.head is not None:
         hidden = mx.zeros((B, 1, _hidden_size(model)), dtype=mx.float32)
-        head_cache = _warm_head(model, B, context)
-        costs.head_s = _median_time(
-            _rolled_back(head_cache, lambda: model.head(hidden, tokens[:, :1], cache=head_cache)), repeats
-        )
+        head_cache = _warm_head(model, B, context)[:1]
+        run = SlotPass(head_layer(model.head, 0), keep_pending=False, compiled=compiled)
+        costs.head_s = _median_time(_rolled_back(head_cache, lambda: run((hidden, tokens[:, :1]), head_cache, T=1)), repeats)
     return costs
 
 
 def _median_time(fn, repeats: int) -> float:
-    mx.eval(fn())  # warm-up (and graph building)
+    mx.eval(fn())  # warm-up (tracing, kernel builds)
+    mx.eval(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

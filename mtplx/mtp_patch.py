@@ -30,6 +30,8 @@ class MTPContract:
     prefill_batch_tokens: prompts are prefilled together, right-padded, until
         rows x longest prompt reaches this; with prefill_chunk it bounds
         prefill memory.
+    compile: run the decode passes as compiled MLX graphs (`mtplx.compiled`);
+        False runs the same ops eagerly (same output, slower).
     """
 
     depth: Depth = 1
@@ -37,6 +39,7 @@ class MTPContract:
     prefill_chunk: int = 512
     prefill_batch_tokens: int = 4096
     max_depth_auto: int = 3
+    compile: bool = True
 
     def __post_init__(self):
         if self.depth != "auto" and (not isinstance(self.depth, int) or self.depth < 0):

@@ -22,6 +22,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
+from .compiled import SlotPass, head_layer
 from .completion import Completion, Request, error_completion, find_stop_string
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
@@ -61,6 +62,12 @@ class MTPLXRuntime:
         else:
             self.depth = int(contract.depth)
         self.eos = set(model.eos_token_ids)
+        # The verify keeps per-step gated-delta states only when commit can roll back.
+        self._verify = SlotPass(model.forward, keep_pending=self.depth > 0, compiled=contract.compile)
+        self._head = [
+            SlotPass(head_layer(model.head, j), keep_pending=False, compiled=contract.compile)
+            for j in range(model.num_head_layers if self.depth > 0 else 0)
+        ]
         self.stats = _new_stats(self.depth)
         if self.auto_depth is not None:
             self.stats["auto_depth"] = self.auto_depth
@@ -213,7 +220,7 @@ class MTPLXRuntime:
             if isinstance(c, SlotKVCache):
                 c.host_max = span
         verify_in = mx.concatenate([batch.primary[:, None], drafts], axis=1)  # [B, k+1]
-        logits, hidden = self.model.forward(verify_in, batch.trunk)  # [B, k+1, V], [B, k+1, H]
+        logits, hidden = self._verify((verify_in,), batch.trunk, T=k + 1)  # [B, k+1, V], [B, k+1, H]
         # A non-finite position j only matters if the row gets that far: its
         # drafts stop before j, and it errors only if j is where it decides.
         bad_pos = mx.any(~mx.isfinite(logits), axis=-1)  # [B, k+1]
@@ -255,12 +262,11 @@ class MTPLXRuntime:
     def _head_catch_up(self, batch: SlotBatch, span: int):
         """Write each row's pending verified pairs into every head layer; keep
         the depth-1 output at the primary's pair for drafting."""
-        head = self.model.head
         before = batch.head_lengths()
         for c in batch.head:
             c.host_max = span
         for j in range(len(batch.head)):
-            logits, out = head(batch.cu_hidden, batch.cu_tokens, cache=batch.head, depth=j + 1)
+            logits, out = self._head[j]((batch.cu_hidden, batch.cu_tokens), [batch.head[j]], T=self.depth + 1)
             if j == 0:
                 batch.head_logits = _take_rows(logits, batch.cu_take)  # [B, V]
                 batch.head_hidden = _take_rows(out, batch.cu_take)  # [B, H]
@@ -269,7 +275,6 @@ class MTPLXRuntime:
     def _draft(self, batch: SlotBatch, keys: mx.array, span: int):
         """d_1..d_k per row; depth i>1 feeds the head its own output back."""
         k = self.depth
-        head = self.model.head
         rule = self.contract.acceptance
         logits, hidden = batch.head_logits, batch.head_hidden  # [B, V], [B, H]
         committed = batch.head_lengths()
@@ -285,7 +290,8 @@ class MTPLXRuntime:
             drafts.append(d_i)
             qs.append(q_i)
             if i < k:
-                lg, out = head(hidden[:, None], d_i, cache=batch.head, depth=i + 1)
+                j = i % len(self._head)  # depth i+1 runs head layer i mod n
+                lg, out = self._head[j]((hidden[:, None], d_i), [batch.head[j]], T=1)
                 logits, hidden = lg[:, 0], out[:, 0]
         if k > 1:  # roll back the entries written from the head's own hidden
             batch.set_head_lengths(committed, span + self.depth + 1)

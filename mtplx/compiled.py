@@ -1,0 +1,139 @@
+"""Decode passes over the slot caches as compiled MLX graphs.
+
+At decode-time batch sizes the CPU spends most of a forward dispatching small
+ops, not computing. `mx.compile` fuses the elementwise chains and replays one
+traced graph, which cuts a one-token trunk step by about a third here. To be
+traceable a pass must be a pure function of arrays, so `SlotPass` hands the
+cache arrays in as inputs and takes the updated ones back out:
+
+- attention KV is read over its whole capacity (masked past each row's
+  length), so the traced shapes change only when the capacity grows, every
+  256 positions (`cache._STEP`); masked keys add exact zeros;
+- a gated-delta layer's state and conv window are fixed-size; when commit will
+  need them, the per-step states of the verify are outputs too.
+
+A graph is traced once per input shape; the fused kernels are built by the
+system C++ compiler and cached on disk by MLX (without one, MLX runs the same
+graph unfused). A pass whose caches are not allocated yet runs eagerly once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import mlx.core as mx
+
+from .cache import SlotGDNCache, SlotKVCache
+
+
+class SlotPass:
+    """`run(*inputs, caches)` as one compiled graph with the caches' arrays as
+    explicit inputs and outputs; the caches are updated as an eager call would
+    leave them (KV lengths advanced by T, gated-delta state after all T steps,
+    `pending` set when `keep_pending`)."""
+
+    def __init__(self, run: Callable, keep_pending: bool, compiled: bool = True):
+        self.run = run
+        self.keep_pending = keep_pending
+        self.compiled = compiled
+        self._kinds: tuple = ()
+        self._fn = mx.compile(self._pure) if compiled else self._pure
+
+    def __call__(self, inputs: Sequence[mx.array], caches: List, T: int):
+        if not self.compiled or any(a is None for a in _cache_arrays(caches)):
+            return self.run(*inputs, caches)
+        for c in caches:
+            if isinstance(c, SlotKVCache):
+                c.reserve(c.host_max + T)
+        kinds = tuple(type(c) for c in caches)
+        if kinds != self._kinds:
+            if self._kinds:  # the trace depends on the cache layout
+                raise ValueError("a SlotPass serves one cache layout")
+            self._kinds = kinds
+        outs = self._fn(*inputs, *_cache_arrays(caches))
+        with_pending = self.keep_pending and T > 1
+        n_run = len(outs) - _n_outputs(caches, with_pending)
+        _write_back(caches, outs[n_run:], T, with_pending)
+        result = outs[:n_run]
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _pure(self, *flat):
+        n_arrays = sum(3 if k is SlotKVCache else 2 for k in self._kinds)
+        inputs, arrays = flat[: len(flat) - n_arrays], flat[len(flat) - n_arrays :]
+        shadows = _shadow_caches(self._kinds, arrays, T=_steps(inputs))
+        out = self.run(*inputs, shadows)
+        out = list(out) if isinstance(out, tuple) else [out]
+        return out + _shadow_outputs(shadows, self.keep_pending)
+
+
+def head_layer(head, j: int) -> Callable:
+    """The head's pass through its layer j, as a function of that layer's
+    cache alone: run(hidden [B, T, H], tokens [B, T], [cache_j])."""
+    n = len(head.layers)
+
+    def run(hidden, tokens, caches):
+        cache = [None] * n
+        cache[j] = caches[0]
+        return head(hidden, tokens, cache=cache, depth=j + 1)
+
+    return run
+
+
+def _steps(inputs) -> int:
+    """Positions per row in this pass: the token input is [B, T]."""
+    return next(x.shape[1] for x in inputs if x.ndim == 2)
+
+
+def _cache_arrays(caches) -> list:
+    out = []
+    for c in caches:
+        out += [c.keys, c.values, c.lengths] if isinstance(c, SlotKVCache) else [c.conv, c.state]
+    return out
+
+
+def _shadow_caches(kinds, arrays, T: int) -> list:
+    """Fresh cache objects over the traced arrays. A KV shadow reads its whole
+    capacity: host_max + T == capacity."""
+    it = iter(arrays)
+    shadows = []
+    for kind in kinds:
+        if kind is SlotKVCache:
+            keys, values, lengths = next(it), next(it), next(it)
+            s = SlotKVCache(keys.shape[0])
+            s.keys, s.values, s.lengths = keys, values, lengths
+            s.host_max = keys.shape[2] - T
+        else:
+            conv, state = next(it), next(it)
+            s = SlotGDNCache(conv.shape[0])
+            s.conv, s.state = conv, state
+        shadows.append(s)
+    return shadows
+
+
+def _shadow_outputs(shadows, keep_pending: bool) -> list:
+    out = []
+    for s in shadows:
+        if isinstance(s, SlotKVCache):
+            out += [s.keys, s.values]
+        else:
+            out += [s.conv, s.state]
+            if keep_pending and s.pending[1].shape[1] > 1:
+                out += list(s.pending)  # [B, K-1+T, C], [B, T, Hv, Dv, Dk]
+    return out
+
+
+def _n_outputs(caches, with_pending: bool) -> int:
+    return sum(2 if isinstance(c, SlotKVCache) else (4 if with_pending else 2) for c in caches)
+
+
+def _write_back(caches, outs, T: int, with_pending: bool):
+    it = iter(outs)
+    for c in caches:
+        if isinstance(c, SlotKVCache):
+            c.keys, c.values = next(it), next(it)
+            c.lengths = c.lengths + T
+            c.host_max += T
+        else:
+            c.conv, c.state = next(it), next(it)
+            # With one step the state after it is the only one: nothing to select.
+            c.pending = (next(it), next(it)) if with_pending else None
