@@ -1,27 +1,40 @@
 """depth="auto": pick the speculation depth from a cost model calibrated on
-this machine.
+this machine, and keep adjusting it to the acceptance the job is getting.
 
 The expected speed-up of depth k over plain decoding is
     (1 + sum_{i<=k} alpha_i) * step_time / (verify_time(k) + k * head_time)
 with alpha_i the cumulative acceptance at depth i. The bare times are measured
-here, at the runtime's batch size; alpha comes from the model's own recorded
-evaluation when it ships one (the built-in model does), else a cautious prior.
-Depth 0 wins whenever no depth is predicted to beat plain decoding, which is
-what happens on compute-bound hardware at large batches.
+here, at the runtime's batch size (every slot is computed whether or not a row
+occupies it, so the ratio between depths does not move as rows come and go).
+alpha starts from the model's own recorded evaluation when it ships one (the
+built-in model does), else a cautious prior.
 
-The depth is fixed for the whole job. Under sampling with the residual rule a
-row's draws depend on the depth it was produced at, so a depth that moved
-with other rows or with timing would make a row's output depend on them; one
-depth per job keeps every row reproducible. The choice and its inputs are in
-`runtime.stats["auto_depth"]`.
+Two regimes, because under sampling with the residual rule a row's draws
+depend on the depth each of its cycles used:
+- **job depth**: calibration picks one depth for the whole job. Every cycle in
+  which some row samples under the residual rule runs at it, so such a row's
+  output never depends on other rows or on timing. Depth 0 (no head work at
+  all) when no depth is predicted to beat plain decoding, which is what
+  happens on compute-bound hardware at large batches.
+- **adaptive**: when every row in the batch is greedy, or the job uses the
+  coupled rule, output does not depend on the depth at all, so each cycle runs
+  at the depth that the running acceptance (`DepthController`) predicts to be
+  fastest. If even depth 1 stops paying, the controller switches speculation
+  off for the rest of the job.
+
+The choice, its inputs and the cycles run at each depth are in
+`runtime.stats["auto_depth"]` (and so in the job summary).
 """
 
 from __future__ import annotations
 
 import json
-from typing import List, Sequence
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
 
-from .costs import measure_bare_costs, predicted_speedup
+import numpy as np
+
+from .costs import BareCosts, measure_bare_costs, predicted_speedup
 
 DEFAULT_ACCEPTANCE = (0.5, 0.3, 0.18, 0.1)  # cautious prior, cumulative by depth
 
@@ -45,19 +58,94 @@ def best_depth(costs, acceptance: Sequence[float], max_depth: int) -> int:
     return max(scores, key=lambda k: (scores[k], -k))
 
 
-def choose_depth(model, contract, max_batch: int):
-    """(depth, record) for a job on this machine at this batch size."""
+def conditional_rates(cumulative: Sequence[float]) -> List[float]:
+    """P(d_i accepted | d_1..d_{i-1} accepted) from cumulative rates."""
+    out, prev = [], 1.0
+    for a in cumulative:
+        out.append(min(1.0, float(a) / prev) if prev > 0 else 0.0)
+        prev = float(a)
+    return out
+
+
+class DepthController:
+    """Running acceptance by depth -> the fastest depth for the next cycle.
+
+    Per depth i it keeps exponentially decayed counts of rows that reached
+    d_i (accepted d_1..d_{i-1} and drafted d_i) and of rows that accepted it,
+    on top of `prior_weight` pseudo-rows at the prior's rates, so one cycle
+    cannot swing the choice and a depth not tried lately keeps its prior.
+    """
+
+    def __init__(self, costs: BareCosts, prior: Sequence[float], max_depth: int,
+                 half_life_rows: float = 256.0, prior_weight: float = 32.0, min_rows: int = 64):
+        self.costs = costs
+        self.max_depth = max_depth
+        self.prior_passed = prior_weight * np.array(conditional_rates(prior[:max_depth]))  # [K]
+        self.prior_reached = np.full(max_depth, prior_weight)  # [K]
+        self.passed = np.zeros(max_depth)  # [K]
+        self.reached = np.zeros(max_depth)  # [K]
+        self.half_life_rows = half_life_rows
+        self.min_rows = min_rows
+        self.rows_seen = 0
+        self.off = False
+
+    def observe(self, accepted: np.ndarray, drafted: np.ndarray):
+        """One cycle's active rows: accepted a_b and drafted (num_valid) counts."""
+        n = len(accepted)
+        if n == 0:
+            return
+        decay = 0.5 ** (n / self.half_life_rows)
+        i = np.arange(1, self.max_depth + 1)[None, :]  # [1, K]
+        reached = (accepted[:, None] >= i - 1) & (drafted[:, None] >= i)  # [n, K]
+        self.reached = decay * self.reached + reached.sum(axis=0)
+        self.passed = decay * self.passed + (accepted[:, None] >= i).sum(axis=0)
+        self.rows_seen += n
+
+    def acceptance(self) -> List[float]:
+        """Current cumulative acceptance estimate by depth."""
+        cond = (self.prior_passed + self.passed) / (self.prior_reached + self.reached)
+        return [float(x) for x in np.cumprod(cond)]
+
+    def choose(self) -> int:
+        if self.off:
+            return 0
+        acc = self.acceptance()
+        scores = {k: predicted_speedup(self.costs, acc, k) for k in range(1, self.max_depth + 1)}
+        best = max(scores, key=lambda k: (scores[k], -k))
+        if scores[best] < 1.0 and self.rows_seen >= self.min_rows:
+            self.off = True  # the head's history is no longer kept, so this is one-way
+            return 0
+        return best
+
+
+@dataclass
+class AutoDepth:
+    job_depth: int  # the depth of every cycle with a row sampling under the residual rule
+    max_depth: int  # the deepest any cycle may go (what the batch is built for)
+    controller: Optional[DepthController]  # None: every cycle runs at job_depth
+    record: dict = field(default_factory=dict)
+
+
+def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
+    """Calibrate on this machine at this batch size and plan the job's depths."""
     if model.head is None:
-        return 0, {"reason": "no MTP head"}
+        return AutoDepth(0, 0, None, {"depth": 0, "reason": "no MTP head"})
     acceptance = acceptance_prior(model)
-    depths = range(1, contract.max_depth_auto + 1)
+    K = min(contract.max_depth_auto, len(acceptance))
+    depths = range(1, K + 1)
     costs = measure_bare_costs(model, max_batch, depths=depths, compiled=contract.compile)
-    k = best_depth(costs, acceptance, contract.max_depth_auto)
+    k = best_depth(costs, acceptance, K)
     record = {
         "depth": k,
         "acceptance_prior": acceptance,
         "bare_costs": costs.as_dict(),
         "predicted_speedup": {str(d): predicted_speedup(costs, acceptance, d) for d in [0, *depths]},
-        "policy": "one depth for the whole job (reproducible under sampling)",
     }
-    return k, record
+    if k == 0:
+        record["policy"] = "plain decoding: no depth is predicted to pay on this machine at this batch size"
+        return AutoDepth(0, 0, None, record)
+    record["policy"] = (
+        f"depth {k} in cycles with a row sampling under the residual rule (one depth per job); "
+        f"otherwise (greedy rows, or the coupled rule) 1..{K} per cycle from the running acceptance"
+    )
+    return AutoDepth(k, K, DepthController(costs, acceptance, K), record)

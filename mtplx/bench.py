@@ -263,11 +263,14 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
     ratios = paired_ratios([(b.tokens_per_s, e.tokens_per_s) for b, e in pairs])
     completions = [c for run in engine_runs for c in run.completions]
     acc = acceptance_summary(completions, rt.depth)
+    auto = rt.stats.get("auto_depth")
+    # Under "auto" cycles may run at several depths: the prediction uses their mix.
+    mix = {int(k): n for k, n in auto["cycles_by_depth"].items() if n} if auto else {rt.depth: 1}
     rec = {
         "engine": "mtplx",
         "batch_size": B,
         "depth": depth,
-        "depth_used": rt.depth,
+        "depth_used": auto["depth"] if auto else rt.depth,
         "temperature": t,
         **_run_fields(engine_runs, plan, B),
         "baseline_tokens_per_s": statistics.median(b.tokens_per_s for b, _ in pairs),
@@ -276,13 +279,14 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
             paired_ratios([(b.decode_tokens_per_s, e.decode_tokens_per_s) for b, e in pairs])
         ),
         **acc,
-        "predicted_speedup": predicted_from_ideal(costs, acc["ideal_tokens_per_cycle"], rt.depth),
+        "predicted_speedup": predicted_from_ideal(costs, acc["ideal_tokens_per_cycle"], mix or {0: 1}),
         "measured_speedup": None,  # both filled once depth 0 is known
         "measured_decode_speedup": None,
         "bare_costs": costs.as_dict(),
     }
     if depth == "auto":
-        rec["auto_choice"] = rt.stats.get("auto_depth")
+        rec["auto_choice"] = auto
+        rec["cycles_by_depth"] = auto["cycles_by_depth"]
     return rec
 
 
@@ -388,11 +392,16 @@ def acceptance_summary(completions, depth: int) -> dict:
     }
 
 
-def predicted_from_ideal(costs, ideal_tokens_per_cycle: Optional[float], k: int) -> Optional[float]:
-    """ideal tokens per cycle x one-token step time / (verify time + k head times)."""
+def predicted_from_ideal(costs, ideal_tokens_per_cycle: Optional[float], depth) -> Optional[float]:
+    """ideal tokens per cycle x one-token step time / (verify time + k head times).
+
+    `depth` is k, or {k: cycles} when cycles ran at several depths ("auto"):
+    then the cycle time is their weighted mean."""
     if ideal_tokens_per_cycle is None:
         return None
-    return ideal_tokens_per_cycle * costs.step_s / costs.cycle_s(k)
+    mix = depth if isinstance(depth, dict) else {depth: 1}
+    cycle = sum(n * costs.cycle_s(k) for k, n in mix.items()) / sum(mix.values())
+    return ideal_tokens_per_cycle * costs.step_s / cycle
 
 
 # ------------------------------------------------------------------ header

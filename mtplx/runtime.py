@@ -54,11 +54,12 @@ class MTPLXRuntime:
                 f"{model.path}: this checkpoint has no MTP head, so it cannot draft "
                 f"(depth={contract.depth!r}); use MTPContract(depth=0) for plain decoding"
             )
-        self.auto_depth = None
+        self.auto = None  # autodepth.AutoDepth when depth="auto"
         if contract.depth == "auto":
-            from .autodepth import choose_depth
+            from .autodepth import plan_auto_depth
 
-            self.depth, self.auto_depth = choose_depth(model, contract, max_batch)
+            self.auto = plan_auto_depth(model, contract, max_batch)
+            self.depth = self.auto.max_depth  # what the batch is built for
         else:
             self.depth = int(contract.depth)
         self.eos = set(model.eos_token_ids)
@@ -69,8 +70,9 @@ class MTPLXRuntime:
             for j in range(model.num_head_layers if self.depth > 0 else 0)
         ]
         self.stats = _new_stats(self.depth)
-        if self.auto_depth is not None:
-            self.stats["auto_depth"] = self.auto_depth
+        if self.auto is not None:
+            self.stats["auto_depth"] = self.auto.record
+            self.auto.record["cycles_by_depth"] = {str(k): 0 for k in range(self.depth + 1)}
 
     # -- public API ----------------------------------------------------------
     def generate(
@@ -117,7 +119,9 @@ class MTPLXRuntime:
             # The next cycle is launched before the host reads the one in
             # flight, so building and reading overlap with device compute.
             yield from self._refill(batch, waiting, seed, in_flight=int(inflight is not None))
-            launched = self._launch(batch, seed, int(inflight is not None)) if batch.any_active() else None
+            launched = None
+            if batch.any_active():
+                launched = self._launch(batch, seed, int(inflight is not None), self._cycle_depth(batch))
             if inflight is not None:
                 yield from self._collect(batch, inflight)
             inflight = launched
@@ -195,9 +199,17 @@ class MTPLXRuntime:
         return ids
 
     # -- one decode cycle (device only: nothing here waits for the host) ----
-    def _launch(self, batch: SlotBatch, seed: int, in_flight: int) -> "_InFlight":
+    def _cycle_depth(self, batch: SlotBatch) -> int:
+        """The depth of the next cycle (see mtplx.autodepth for the policy)."""
+        auto = self.auto
+        if auto is None or auto.controller is None:
+            return self.depth
+        if not batch.sampling.all_greedy and self.contract.acceptance == "residual":
+            return auto.job_depth  # a residual-rule row's draws depend on the depth
+        return auto.controller.choose()
+
+    def _launch(self, batch: SlotBatch, seed: int, in_flight: int, k: int) -> "_InFlight":
         t0 = time.perf_counter()
-        k = self.depth
         rows = list(batch.rows)
         span = batch.span_bound(batch.trunk_len, in_flight)
         greedy = batch.sampling.all_greedy  # no random draws, no probability tensors
@@ -211,7 +223,7 @@ class MTPLXRuntime:
 
         if k > 0:
             self._head_catch_up(batch, span)
-            drafts, q = self._draft(batch, keys, span)  # [B, k], [B, k, V]
+            drafts, q = self._draft(batch, keys, span, k)  # [B, k], [B, k, V]
         else:
             drafts = mx.zeros((batch.size, 0), dtype=mx.int32)
             q = None
@@ -256,6 +268,8 @@ class MTPLXRuntime:
         outputs = [accepted, emitted_ids, nv, bad] + ([lp] if lp is not None else [])
         mx.async_eval(outputs + batch.cache_state())
         self.stats["cycles"] += 1
+        if self.auto is not None:
+            self.auto.record["cycles_by_depth"][str(k)] += 1
         self.stats["decode_seconds"] += time.perf_counter() - t0
         return _InFlight(rows, accepted, emitted_ids, nv, bad, lp)
 
@@ -265,16 +279,16 @@ class MTPLXRuntime:
         before = batch.head_lengths()
         for c in batch.head:
             c.host_max = span
+        T = batch.cu_tokens.shape[1]  # the previous cycle's k+1 pairs
         for j in range(len(batch.head)):
-            logits, out = self._head[j]((batch.cu_hidden, batch.cu_tokens), [batch.head[j]], T=self.depth + 1)
+            logits, out = self._head[j]((batch.cu_hidden, batch.cu_tokens), [batch.head[j]], T=T)
             if j == 0:
                 batch.head_logits = _take_rows(logits, batch.cu_take)  # [B, V]
                 batch.head_hidden = _take_rows(out, batch.cu_take)  # [B, H]
         batch.set_head_lengths([l + batch.cu_keep for l in before], span + self.depth + 1)
 
-    def _draft(self, batch: SlotBatch, keys: mx.array, span: int):
+    def _draft(self, batch: SlotBatch, keys: mx.array, span: int, k: int):
         """d_1..d_k per row; depth i>1 feeds the head its own output back."""
-        k = self.depth
         rule = self.contract.acceptance
         logits, hidden = batch.head_logits, batch.head_hidden  # [B, V], [B, H]
         committed = batch.head_lengths()
@@ -306,6 +320,9 @@ class MTPLXRuntime:
         nv = np.array(inf.nv)
         bad = np.array(inf.bad)
         lp = None if inf.logprobs is None else np.array(inf.logprobs)
+        if self.auto is not None and self.auto.controller is not None:
+            live = np.array([r is not None for r in inf.rows])
+            self.auto.controller.observe(a[live], nv[live])
         finished = []
         for b, row in enumerate(inf.rows):
             if row is None or batch.rows[b] is not row:

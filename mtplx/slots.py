@@ -141,12 +141,14 @@ class SlotBatch:
         self.max_tokens[rows] = mx.array([self.rows[b].req.max_tokens for b, _, _ in self._loads], dtype=mx.int32)
         self.active[rows] = True
         if self.head:
+            # Under depth="auto" the pending width is the last cycle's k+1.
+            W = self.cu_tokens.shape[1]
             last = _stack(pres, lambda p: p.last_hidden)  # [R, H]
             if self.cu_hidden is None:
-                self.cu_hidden = mx.zeros((self.size, self.depth + 1, last.shape[-1]), dtype=last.dtype)
-            pad = mx.zeros((len(pres), self.depth, last.shape[-1]), dtype=last.dtype)
+                self.cu_hidden = mx.zeros((self.size, W, last.shape[-1]), dtype=last.dtype)
+            pad = mx.zeros((len(pres), W - 1, last.shape[-1]), dtype=last.dtype)
             self.cu_hidden[rows] = mx.concatenate([last[:, None], pad], axis=1)
-            tok = mx.zeros((len(pres), self.depth + 1), dtype=mx.int32)
+            tok = mx.zeros((len(pres), W), dtype=mx.int32)
             tok[:, 0] = firsts
             self.cu_tokens[rows] = tok
             self.cu_take[rows] = 0

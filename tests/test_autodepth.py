@@ -37,7 +37,137 @@ def test_auto_depth_runtime_records_its_choice_and_decodes_like_plain_greedy(tmp
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
     auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
     record = auto.stats["auto_depth"]
-    assert record["depth"] == auto.depth and 0 <= auto.depth <= 3
+    assert record["depth"] == auto.auto.job_depth and 0 <= auto.auto.job_depth <= auto.depth <= 3
     assert set(record["predicted_speedup"]) == {"0", "1", "2", "3"}
     plain = MTPLXRuntime(model, MTPContract(depth=0), max_batch=2)
     assert [o.tokens for o in auto.generate(prompts, max_tokens=6)] == [o.tokens for o in plain.generate(prompts, max_tokens=6)]
+    assert sum(record["cycles_by_depth"].values()) == auto.stats["cycles"] > 0
+
+
+# -- the running controller ------------------------------------------------------
+
+import numpy as np
+
+from mtplx.autodepth import AutoDepth, DepthController, conditional_rates
+from mtplx.sampling import SamplingParams
+
+from model_helpers import make_predictable
+
+
+def test_conditional_rates_divide_each_cumulative_rate_by_the_one_before():
+    assert conditional_rates([0.8, 0.4, 0.1]) == pytest.approx([0.8, 0.5, 0.25])
+    assert conditional_rates([0.0, 0.0]) == [0.0, 0.0]
+
+
+def _cycle(controller, rows, accepted, drafted):
+    controller.observe(np.full(rows, accepted), np.full(rows, drafted))
+
+
+def test_controller_starts_from_the_prior_then_follows_the_acceptance_it_sees():
+    costs = _costs(10.0, {1: 10.5, 2: 11.0, 3: 11.5}, 0.5)
+    c = DepthController(costs, prior=[0.5, 0.2, 0.05], max_depth=3)
+    assert c.acceptance() == pytest.approx([0.5, 0.2, 0.05])
+    start = c.choose()
+    for _ in range(50):  # every row accepts everything it drafts
+        _cycle(c, rows=8, accepted=3, drafted=3)
+    assert c.acceptance()[2] > 0.75  # from a prior of 0.05; the prior keeps some weight
+    assert c.choose() == 3 > start
+
+
+def test_controller_goes_shallower_when_deep_drafts_stop_being_accepted():
+    costs = _costs(10.0, {1: 10.5, 2: 11.0, 3: 11.5}, 0.5)
+    c = DepthController(costs, prior=[0.9, 0.8, 0.7], max_depth=3)
+    assert c.choose() == 3
+    for _ in range(50):  # d_1 always accepted, d_2 never
+        _cycle(c, rows=8, accepted=1, drafted=3)
+    assert c.acceptance()[0] > 0.95 and c.acceptance()[1] < 0.15
+    assert c.choose() == 1
+
+
+def test_controller_switches_speculation_off_for_good_when_nothing_is_accepted():
+    costs = _costs(10.0, {1: 12.0, 2: 14.0, 3: 16.0}, 0.5)
+    c = DepthController(costs, prior=[0.7, 0.5, 0.3], max_depth=3, min_rows=64)
+    assert c.choose() > 0
+    _cycle(c, rows=8, accepted=0, drafted=1)
+    assert c.choose() > 0  # too few rows seen to give up
+    for _ in range(20):
+        _cycle(c, rows=8, accepted=0, drafted=1)
+    assert c.choose() == 0
+    for _ in range(50):  # the head is not run any more: it stays off
+        _cycle(c, rows=8, accepted=1, drafted=1)
+    assert c.choose() == 0
+
+
+class _Scripted:
+    """A controller that plays a fixed sequence of depths (0 included)."""
+
+    def __init__(self, depths):
+        self.depths = list(depths)
+        self.i = 0
+        self.seen = 0
+
+    def choose(self):
+        k = self.depths[self.i % len(self.depths)]
+        self.i += 1
+        return k
+
+    def observe(self, accepted, drafted):
+        self.seen += len(accepted)
+
+
+def _with_scripted_auto(model, script, job_depth=2, max_batch=3, acceptance="residual"):
+    rt = MTPLXRuntime(model, MTPContract(depth=3, acceptance=acceptance), max_batch=max_batch)
+    rt.auto = AutoDepth(job_depth, 3, _Scripted(script), {"cycles_by_depth": {str(k): 0 for k in range(4)}})
+    return rt
+
+
+@pytest.fixture(scope="module")
+def predictable_qwen(tmp_path_factory):
+    path = tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("auto") / "m", vocab_size=64)
+    return make_predictable(mtplx.load(path))
+
+
+def test_greedy_output_is_plain_greedy_while_the_depth_changes_every_cycle(predictable_qwen):
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20], [5, 6, 7, 8], [30, 31]]
+    plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0), max_batch=3).generate(prompts, max_tokens=14)
+    rt = _with_scripted_auto(predictable_qwen, [3, 1, 2, 3, 3, 1, 2])
+    got = rt.generate(prompts, max_tokens=14)
+    assert [c.tokens for c in got] == [c.tokens for c in plain]
+    used = rt.auto.record["cycles_by_depth"]
+    assert all(used[str(k)] > 0 for k in (1, 2, 3))
+    assert rt.auto.controller.seen > 0
+    accepted = sum(sum(c.accepted_by_depth) for c in got)
+    assert accepted > 0  # the drafts were really used, not just skipped
+
+
+def test_switching_speculation_off_mid_job_keeps_greedy_output_exact(predictable_qwen):
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20], [5, 6, 7, 8]]
+    plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0), max_batch=3).generate(prompts, max_tokens=12)
+    rt = _with_scripted_auto(predictable_qwen, [2, 2, 3] + [0] * 200)
+    got = rt.generate(prompts, max_tokens=12)
+    assert [c.tokens for c in got] == [c.tokens for c in plain]
+    assert rt.auto.record["cycles_by_depth"]["0"] > 0
+
+
+def test_coupled_sampling_under_a_moving_depth_equals_plain_keyed_sampling(predictable_qwen):
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20]]
+    sp = SamplingParams(temperature=1.0)
+    plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0, acceptance="coupled"), max_batch=3)
+    want = plain.generate(prompts, sampling=sp, max_tokens=12, seed=5)
+    rt = _with_scripted_auto(predictable_qwen, [1, 3, 2], acceptance="coupled")
+    got = rt.generate(prompts, sampling=sp, max_tokens=12, seed=5)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    used = rt.auto.record["cycles_by_depth"]
+    assert all(used[str(k)] > 0 for k in (1, 2, 3))
+
+
+def test_rows_sampling_under_the_residual_rule_always_run_at_the_job_depth(predictable_qwen):
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12]]
+    rt = _with_scripted_auto(predictable_qwen, [1, 3], job_depth=2)
+    got = rt.generate(prompts, sampling=SamplingParams(temperature=1.0), max_tokens=10, seed=1)
+    used = rt.auto.record["cycles_by_depth"]
+    assert used["2"] > 0 and used["1"] == used["3"] == used["0"] == 0
+    # ...and so each row's output is what a fixed depth-2 job gives it.
+    fixed = MTPLXRuntime(predictable_qwen, MTPContract(depth=2), max_batch=3)
+    want = fixed.generate(prompts, sampling=SamplingParams(temperature=1.0), max_tokens=10, seed=1)
+    assert [c.tokens for c in got] == [c.tokens for c in want]

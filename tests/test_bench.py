@@ -85,6 +85,9 @@ def test_predicted_speedup_is_ideal_tokens_times_step_over_verify_plus_k_heads()
     assert predicted_from_ideal(costs, 1.5, 1) == pytest.approx(1.5 * 10.0 / 12.0)
     assert predicted_from_ideal(costs, 1.0, 0) == pytest.approx(1.0)
     assert predicted_from_ideal(costs, None, 1) is None
+    # "auto" cycles at several depths: their mean cycle time, weighted by cycles.
+    mean_cycle = (1 * 12.0 + 3 * (12.0 + 2.0)) / 4
+    assert predicted_from_ideal(costs, 2.0, {1: 1, 2: 3}) == pytest.approx(2.0 * 10.0 / mean_cycle)
 
 
 def test_measured_speedup_is_each_depth_over_depth_zero_both_against_their_baselines():
