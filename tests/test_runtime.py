@@ -208,3 +208,20 @@ def test_stop_string_cuts_text_and_ends_tokens_at_the_completing_token(models):
     assert out.finish_reason == "stop"
     assert out.text == text[: text.find(stop)]
     assert stop in tok.decode(out.tokens) and stop not in tok.decode(out.tokens[:-1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "mimo"])
+def test_compiled_decode_passes_emit_what_the_same_ops_run_eagerly_emit(models, family):
+    # Compiled passes read attention KV over the whole capacity and fuse
+    # elementwise chains; neither may change a token, greedy or sampled.
+    model = models[family]
+    prompts = _prompts(5, seed=3)
+    sampling = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)] * 2
+    runs = []
+    for compiled in (True, False):
+        rt = MTPLXRuntime(model, MTPContract(depth=2, compile=compiled), max_batch=3)
+        runs.append(rt.generate(prompts, sampling=sampling[:5], max_tokens=12, seed=9, logprobs=True))
+    for c, e in zip(*runs):
+        assert c.tokens == e.tokens
+        assert c.accepted_by_depth == e.accepted_by_depth  # the drafts matched too
+        assert c.logprobs == pytest.approx(e.logprobs, abs=1e-5)
