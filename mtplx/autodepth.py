@@ -39,16 +39,30 @@ from .costs import BareCosts, measure_bare_costs, predicted_speedup
 DEFAULT_ACCEPTANCE = (0.5, 0.3, 0.18, 0.1)  # cautious prior, cumulative by depth
 
 
-def acceptance_prior(model) -> List[float]:
-    """Cumulative acceptance by depth recorded with the checkpoint, if any."""
+def acceptance_prior(model, depths: int = len(DEFAULT_ACCEPTANCE)) -> List[float]:
+    """Cumulative acceptance by depth 1..`depths`: the teacher-forced greedy
+    acceptance recorded in the checkpoint's training.json (the built-in model
+    records depths 1 and 2), else a cautious default. Depths past the
+    recorded ones repeat the last conditional rate."""
+    rates = list(DEFAULT_ACCEPTANCE)
     meta = model.path / "training.json"
     if meta.exists():
         try:
-            rates = json.loads(meta.read_text())["eval"]["acceptance_by_depth"]
-            return [float(x) for x in rates]
+            rec = json.loads(meta.read_text())["acceptance_teacher_forced"]
+            rates = [float(rec["depth1"])]
+            if "depth2_cumulative" in rec:
+                rates.append(float(rec["depth2_cumulative"]))
         except (ValueError, KeyError, TypeError):
-            pass
-    return list(DEFAULT_ACCEPTANCE)
+            rates = list(DEFAULT_ACCEPTANCE)
+    return extend_geometrically(rates, depths)
+
+
+def extend_geometrically(cumulative: Sequence[float], depths: int) -> List[float]:
+    out = [float(a) for a in cumulative[:depths]]
+    last = conditional_rates(out)[-1] if out else 0.0
+    while len(out) < depths:
+        out.append(out[-1] * last)
+    return out
 
 
 def best_depth(costs, acceptance: Sequence[float], max_depth: int) -> int:
@@ -130,8 +144,8 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     """Calibrate on this machine at this batch size and plan the job's depths."""
     if model.head is None:
         return AutoDepth(0, 0, None, {"depth": 0, "reason": "no MTP head"})
-    acceptance = acceptance_prior(model)
-    K = min(contract.max_depth_auto, len(acceptance))
+    K = contract.max_depth_auto
+    acceptance = acceptance_prior(model, K)
     depths = range(1, K + 1)
     costs = measure_bare_costs(model, max_batch, depths=depths, compiled=contract.compile)
     k = best_depth(costs, acceptance, K)

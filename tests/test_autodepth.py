@@ -1,5 +1,7 @@
 """depth="auto": the cost model's choice, and that it runs exactly."""
 
+import json
+
 import pytest
 
 import mtplx
@@ -171,3 +173,19 @@ def test_rows_sampling_under_the_residual_rule_always_run_at_the_job_depth(predi
     fixed = MTPLXRuntime(predictable_qwen, MTPContract(depth=2), max_batch=3)
     want = fixed.generate(prompts, sampling=SamplingParams(temperature=1.0), max_tokens=10, seed=1)
     assert [c.tokens for c in got] == [c.tokens for c in want]
+
+
+def test_prior_is_the_checkpoints_recorded_acceptance_extended_geometrically(tmp_path):
+    from mtplx.autodepth import acceptance_prior, extend_geometrically
+
+    assert extend_geometrically([0.8, 0.4], 4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
+    from mtplx.assets import default_model_path
+
+    builtin = mtplx.load(default_model_path())
+    recorded = json.loads((builtin.path / "training.json").read_text())["acceptance_teacher_forced"]
+    prior = acceptance_prior(builtin, 3)
+    assert prior[:2] == pytest.approx([recorded["depth1"], recorded["depth2_cumulative"]])
+    assert prior[2] == pytest.approx(prior[1] ** 2 / prior[0])
+    # A checkpoint without a record gets the cautious default.
+    plain = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    assert acceptance_prior(plain, 3) == pytest.approx([0.5, 0.3, 0.18])
