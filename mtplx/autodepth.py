@@ -2,10 +2,12 @@
 this machine, and keep adjusting it to the acceptance the job is getting.
 
 The expected speed-up of depth k over plain decoding is
-    (1 + sum_{i<=k} alpha_i) * step_time / (verify_time(k) + k * head_time)
-with alpha_i the cumulative acceptance at depth i. The bare times are measured
-here, at the runtime's batch size (every slot is computed whether or not a row
-occupies it, so the ratio between depths does not move as rows come and go).
+    (1 + sum_{i<=k} alpha_i) * cycle_time(0) / cycle_time(k)
+with alpha_i the cumulative acceptance at depth i. The cycle times are the
+runtime's own, measured here at the runtime's batch size by short decodes at
+every depth (`costs.measure_cycle_costs`), so they include what a cycle costs
+beyond the bare passes. Every slot is computed whether or not a row occupies
+it, so the ratio between depths does not move as rows come and go.
 alpha starts from the model's own recorded evaluation when it ships one (the
 built-in model does), else a cautious prior.
 
@@ -14,8 +16,9 @@ depend on the depth each of its cycles used:
 - **job depth**: calibration picks one depth for the whole job. Every cycle in
   which some row samples under the residual rule runs at it, so such a row's
   output never depends on other rows or on timing. Depth 0 (no head work at
-  all) when no depth is predicted to beat plain decoding, which is what
-  happens on compute-bound hardware at large batches.
+  all) unless a depth is predicted to beat plain decoding by 10%
+  (`JOB_DEPTH_MARGIN`: the prior cannot be corrected during the job); on
+  compute-bound hardware at large batches none does.
 - **adaptive**: when every row in the batch is greedy, or the job uses the
   coupled rule, output does not depend on the depth at all, so each cycle runs
   at the depth that the running acceptance (`DepthController`) predicts to be
@@ -34,7 +37,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .costs import BareCosts, measure_bare_costs, predicted_speedup
+from .costs import CycleCosts, measure_cycle_costs, predicted_speedup
 
 DEFAULT_ACCEPTANCE = (0.5, 0.3, 0.18, 0.1)  # cautious prior, cumulative by depth
 
@@ -65,11 +68,17 @@ def extend_geometrically(cumulative: Sequence[float], depths: int) -> List[float
     return out
 
 
-def best_depth(costs, acceptance: Sequence[float], max_depth: int) -> int:
+# A job depth is fixed for the whole job on a prior the job cannot correct,
+# so speculating must be predicted to win by this much.
+JOB_DEPTH_MARGIN = 1.1
+
+
+def best_depth(costs, acceptance: Sequence[float], max_depth: int, margin: float = 1.0) -> int:
+    """The depth with the best predicted speed-up; 0 unless one beats `margin`."""
     depths = [k for k in range(1, max_depth + 1) if k in costs.verify_s and k <= len(acceptance)]
     scores = {k: predicted_speedup(costs, acceptance, k) for k in depths}
-    scores[0] = 1.0
-    return max(scores, key=lambda k: (scores[k], -k))
+    best = max(scores, key=lambda k: (scores[k], -k), default=0)
+    return best if best and scores[best] >= margin else 0
 
 
 def conditional_rates(cumulative: Sequence[float]) -> List[float]:
@@ -90,7 +99,7 @@ class DepthController:
     cannot swing the choice and a depth not tried lately keeps its prior.
     """
 
-    def __init__(self, costs: BareCosts, prior: Sequence[float], max_depth: int,
+    def __init__(self, costs: CycleCosts, prior: Sequence[float], max_depth: int,
                  half_life_rows: float = 256.0, prior_weight: float = 32.0, min_rows: int = 64):
         self.costs = costs
         self.max_depth = max_depth
@@ -146,14 +155,13 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
         return AutoDepth(0, 0, None, {"depth": 0, "reason": "no MTP head"})
     K = contract.max_depth_auto
     acceptance = acceptance_prior(model, K)
-    depths = range(1, K + 1)
-    costs = measure_bare_costs(model, max_batch, depths=depths, compiled=contract.compile)
-    k = best_depth(costs, acceptance, K)
+    costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile)
+    k = best_depth(costs, acceptance, K, margin=JOB_DEPTH_MARGIN)
     record = {
         "depth": k,
         "acceptance_prior": acceptance,
-        "bare_costs": costs.as_dict(),
-        "predicted_speedup": {str(d): predicted_speedup(costs, acceptance, d) for d in [0, *depths]},
+        "cycle_costs": costs.as_dict(),
+        "predicted_speedup": {str(d): predicted_speedup(costs, acceptance, d) for d in range(K + 1)},
     }
     if k == 0:
         record["policy"] = "plain decoding: no depth is predicted to pay on this machine at this batch size"

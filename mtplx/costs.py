@@ -40,6 +40,31 @@ class BareCosts:
         return d
 
 
+@dataclass
+class CycleCosts:
+    """Seconds per decode cycle of the runtime itself at each depth: the whole
+    cycle (head catch-up, drafts, verify, accept, commit, host bookkeeping),
+    so what speculation costs beyond the bare passes is in it. Depth 0's
+    cycle stands in for the one-token step."""
+
+    batch_size: int
+    seconds: Dict[int, float]
+
+    @property
+    def step_s(self) -> float:
+        return self.seconds[0]
+
+    @property
+    def verify_s(self) -> Dict[int, float]:
+        return {k: s for k, s in self.seconds.items() if k > 0}
+
+    def cycle_s(self, k: int) -> float:
+        return self.seconds[k]
+
+    def as_dict(self) -> dict:
+        return {"batch_size": self.batch_size, "cycle_s": {str(k): v for k, v in self.seconds.items()}}
+
+
 def ideal_tokens_per_cycle(acceptance_by_depth: Sequence[float], k: int) -> float:
     """1 + sum of cumulative acceptance rates of depths 1..k (DESIGN "Metrics")."""
     return 1.0 + float(sum(acceptance_by_depth[:k]))
@@ -100,6 +125,39 @@ def measure_bare_costs(
         verify_s={k: best[k] for k in depths},
         head_s=best.get("head", 0.0),
     )
+
+
+def measure_cycle_costs(
+    model,
+    batch_size: int,
+    depths: Sequence[int],
+    compiled: bool = True,
+    prompt_len: int = 48,
+    max_tokens: int = 16,
+    rounds: int = 2,
+) -> CycleCosts:
+    """Seconds per cycle of MTPLXRuntime at each depth, on `batch_size`
+    random prompts: runtimes at every depth take turns (after a warm-up that
+    traces and builds kernels) and each keeps its fastest round."""
+    import numpy as np
+
+    from .mtp_patch import MTPContract
+    from .runtime import MTPLXRuntime
+
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, model.vocab_size, (batch_size, prompt_len)).tolist()
+    runtimes = {k: MTPLXRuntime(model, MTPContract(depth=k, compile=compiled), max_batch=batch_size) for k in depths}
+    for rt in runtimes.values():
+        rt.generate(prompts, max_tokens=4)
+    best = {k: float("inf") for k in depths}
+    for _ in range(rounds):
+        for k, rt in runtimes.items():
+            seconds, cycles = rt.stats["decode_seconds"], rt.stats["cycles"]
+            rt.generate(prompts, max_tokens=max_tokens)
+            n = rt.stats["cycles"] - cycles
+            if n:  # every row can stop at once on a stop token
+                best[k] = min(best[k], (rt.stats["decode_seconds"] - seconds) / n)
+    return CycleCosts(batch_size, best)
 
 
 def _fastest_of_rounds(passes: dict, repeats: int, burst: int = 4) -> dict:

@@ -189,3 +189,21 @@ def test_prior_is_the_checkpoints_recorded_acceptance_extended_geometrically(tmp
     # A checkpoint without a record gets the cautious default.
     plain = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
     assert acceptance_prior(plain, 3) == pytest.approx([0.5, 0.3, 0.18])
+
+
+def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):
+    from mtplx.costs import measure_cycle_costs
+
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    costs = measure_cycle_costs(model, 2, depths=range(3), max_tokens=6, rounds=1)
+    assert set(costs.seconds) == {0, 1, 2} and all(0 < s < 5 for s in costs.seconds.values())
+    assert costs.step_s == costs.seconds[0] and costs.verify_s == {1: costs.seconds[1], 2: costs.seconds[2]}
+    # The predicted speed-up divides cycle times directly.
+    assert predicted_speedup(costs, [0.5, 0.25], 2) == pytest.approx(1.75 * costs.seconds[0] / costs.seconds[2])
+
+
+def test_a_job_depth_must_win_by_the_margin():
+    costs = _costs(10.0, {1: 10.5, 2: 11.0, 3: 11.5}, 0.0)
+    acc = [0.06, 0.0, 0.0]  # depth 1 predicted 1.06 / 1.05 = ~1.01x
+    assert best_depth(costs, acc, 3) == 1
+    assert best_depth(costs, acc, 3, margin=1.1) == 0
