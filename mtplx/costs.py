@@ -134,7 +134,7 @@ def measure_cycle_costs(
     compiled: bool = True,
     prompt_len: int = 48,
     max_tokens: int = 16,
-    rounds: int = 2,
+    rounds: int = 3,
 ) -> CycleCosts:
     """Seconds per cycle of MTPLXRuntime at each depth, on `batch_size`
     random prompts: runtimes at every depth take turns (after a warm-up that
