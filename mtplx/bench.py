@@ -11,7 +11,8 @@ model), it times:
 - the baseline, `mlx_lm.generate.batch_generate` with its decode batch = B;
 - MTPLX (`MTPLXRuntime(max_batch=B)`) at each depth, and at depth "auto".
 After one short warm-up of each, every configuration runs as alternating
-pairs (baseline, engine) x repeats. Absolute times on a shared machine drift,
+pairs (baseline, engine) x repeats, the repeats in rounds over all depths so a
+slow spell does not land on one depth alone. Absolute times on a shared machine drift,
 so the comparison is the median of the paired ratios (engine tok/s / the
 adjacent baseline's tok/s), with their min and max as the spread.
 
@@ -184,7 +185,7 @@ def bench_batch_size(model, plan: BenchPlan, pool: List[List[int]], B: int, log)
     max_auto = MTPContract(depth="auto").max_depth_auto
     log(f"batch {B}: bare costs at context {context}")
     costs = measure_bare_costs(model, B, depths=plan.cost_depths(max_auto), context=context)
-    # Built once per batch size: "auto" calibrates (times bare passes) when built.
+    # Built once per batch size: "auto" calibrates (times its own cycles) when built.
     runtimes = {d: MTPLXRuntime(model, MTPContract(depth=d), max_batch=B) for d in plan.depths}
     records = []
     for t in plan.temperatures:
@@ -197,14 +198,20 @@ def bench_setting(model, runtimes: Dict[Depth, object], batch, B: int, t: float,
     warmup = min(plan.max_tokens, WARMUP_TOKENS)
     baseline = partial(run_baseline, model, batch, temperature=t, seed=plan.seed, batch_size=B)
     baseline(max_tokens=warmup)
+    engines = {d: partial(run_engine, rt, batch, temperature=t, seed=plan.seed) for d, rt in runtimes.items()}
+    for engine in engines.values():
+        engine(max_tokens=warmup)
+    # Rounds go over every depth in turn, so a slow spell of the machine hits
+    # all depths alike instead of one depth's whole series.
+    pairs: Dict[Depth, List[Tuple[Run, Run]]] = {d: [] for d in runtimes}
+    for _ in range(plan.repeats):
+        for d, engine in engines.items():
+            pairs[d].append((baseline(max_tokens=plan.max_tokens), engine(max_tokens=plan.max_tokens)))
     base_runs: List[Run] = []
     records = []
     for d, rt in runtimes.items():
-        engine = partial(run_engine, rt, batch, temperature=t, seed=plan.seed)
-        engine(max_tokens=warmup)
-        pairs = [(baseline(max_tokens=plan.max_tokens), engine(max_tokens=plan.max_tokens)) for _ in range(plan.repeats)]
-        base_runs += [b for b, _ in pairs]
-        rec = mtplx_record(rt, d, B, t, pairs, costs, plan)
+        base_runs += [b for b, _ in pairs[d]]
+        rec = mtplx_record(rt, d, B, t, pairs[d], costs, plan)
         lo, hi = rec["ratio_spread"]
         log(
             f"  B={B} T={t:g} depth={d}: {rec['tokens_per_s']:.1f} tok/s, "
