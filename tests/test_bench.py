@@ -152,7 +152,7 @@ class _FakeRuntime:
         self.stats = {}
 
 
-def test_runs_alternate_baseline_and_engine_after_a_warm_up_and_pair_neighbours(monkeypatch):
+def test_runs_alternate_baseline_and_engine_in_rounds_over_depths_after_a_warm_up(monkeypatch):
     calls = []
     speeds = iter([50, 60, 100, 110, 10, 12, 100, 130, 5, 6])  # tok/s of successive timed calls
 
@@ -174,15 +174,15 @@ def test_runs_alternate_baseline_and_engine_after_a_warm_up_and_pair_neighbours(
     costs = BareCosts(batch_size=1, context=8, step_s=1.0, verify_s={1: 1.0}, head_s=0.1)
     recs = bench.bench_setting(None, {0: _FakeRuntime(0), 1: _FakeRuntime(1)}, [[1, 2]], 1, 0.0, costs, plan, lambda s: None)
     assert calls == [
-        ("mlx_lm", 4),
-        (0, 4), ("mlx_lm", 8), (0, 8), ("mlx_lm", 8), (0, 8),
-        (1, 4), ("mlx_lm", 8), (1, 8), ("mlx_lm", 8), (1, 8),
+        ("mlx_lm", 4), (0, 4), (1, 4),
+        ("mlx_lm", 8), (0, 8), ("mlx_lm", 8), (1, 8),  # round 1
+        ("mlx_lm", 8), (0, 8), ("mlx_lm", 8), (1, 8),  # round 2
     ]
     base, d0, d1 = recs
     assert base["engine"] == "mlx_lm" and base["runs"] == 4
     assert base["tokens_per_s"] == pytest.approx(statistics.median([50, 100, 10, 100]))
-    assert d0["paired_ratios"] == pytest.approx([60 / 50, 110 / 100])
-    assert d1["paired_ratios"] == pytest.approx([12 / 10, 130 / 100])
+    assert d0["paired_ratios"] == pytest.approx([60 / 50, 12 / 10])
+    assert d1["paired_ratios"] == pytest.approx([110 / 100, 130 / 100])
     assert d1["measured_speedup"] == pytest.approx(d1["ratio_vs_mlx_lm"] / d0["ratio_vs_mlx_lm"])
 
 
