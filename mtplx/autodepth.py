@@ -23,7 +23,7 @@ depend on the depth each of its cycles used:
   coupled rule, output does not depend on the depth at all, so each cycle runs
   at the depth that the running acceptance (`DepthController`) predicts to be
   fastest. If no depth is predicted to beat plain decoding by the margin any
-  more, the controller switches speculation off for the rest of the job.
+  more, the controller switches speculation off, and tries it again later.
 
 The choice, its inputs and the cycles run at each depth are in
 `runtime.stats["auto_depth"]` (and so in the job summary).
@@ -98,10 +98,20 @@ class DepthController:
     d_i (accepted d_1..d_{i-1} and drafted d_i) and of rows that accepted it,
     on top of `prior_weight` pseudo-rows at the prior's rates, so one cycle
     cannot swing the choice and a depth not tried lately keeps its prior.
+
+    When no depth is predicted to beat plain decoding by the margin after
+    `min_rows` row-cycles, speculation goes off (no head work). The counts
+    keep decaying while it is off, so after `retry_rows` row-cycles the
+    estimate has moved back toward the prior and speculation is tried again.
+    Early cycles of a row accept less than later ones, which is why a single
+    bad spell must not switch it off for good. Rows that lived through an off
+    spell draft from a head history with gaps: that lowers their acceptance,
+    never their output.
     """
 
     def __init__(self, costs: CycleCosts, prior: Sequence[float], max_depth: int,
-                 half_life_rows: float = 256.0, prior_weight: float = 32.0, min_rows: int = 64):
+                 half_life_rows: float = 256.0, prior_weight: float = 32.0,
+                 min_rows: int = 256, retry_rows: int = 1024):
         self.costs = costs
         self.max_depth = max_depth
         self.prior_passed = prior_weight * np.array(conditional_rates(prior[:max_depth]))  # [K]
@@ -110,7 +120,8 @@ class DepthController:
         self.reached = np.zeros(max_depth)  # [K]
         self.half_life_rows = half_life_rows
         self.min_rows = min_rows
-        self.rows_seen = 0
+        self.retry_rows = retry_rows
+        self.rows_seen = 0  # row-cycles since speculation last went on or off
         self.off = False
 
     def observe(self, accepted: np.ndarray, drafted: np.ndarray):
@@ -131,15 +142,15 @@ class DepthController:
         return [float(x) for x in np.cumprod(cond)]
 
     def choose(self) -> int:
-        if self.off:
-            return 0
         acc = self.acceptance()
         scores = {k: predicted_speedup(self.costs, acc, k) for k in range(1, self.max_depth + 1)}
         best = max(scores, key=lambda k: (scores[k], -k))
-        if scores[best] < SPECULATION_MARGIN and self.rows_seen >= self.min_rows:
-            self.off = True  # the head's history is no longer kept, so this is one-way
-            return 0
-        return best
+        pays = scores[best] >= SPECULATION_MARGIN
+        if self.off and pays and self.rows_seen >= self.retry_rows:
+            self.off, self.rows_seen = False, 0
+        elif not self.off and not pays and self.rows_seen >= self.min_rows:
+            self.off, self.rows_seen = True, 0
+        return 0 if self.off else best
 
 
 @dataclass

@@ -86,18 +86,21 @@ def test_controller_goes_shallower_when_deep_drafts_stop_being_accepted():
     assert c.choose() == 1
 
 
-def test_controller_switches_speculation_off_for_good_when_nothing_is_accepted():
+def test_controller_switches_speculation_off_when_nothing_is_accepted_and_retries_later():
     costs = _costs(10.0, {1: 12.0, 2: 14.0, 3: 16.0}, 0.5)
-    c = DepthController(costs, prior=[0.7, 0.5, 0.3], max_depth=3, min_rows=64)
+    c = DepthController(costs, prior=[0.7, 0.5, 0.3], max_depth=3, min_rows=64, retry_rows=512)
     assert c.choose() > 0
     _cycle(c, rows=8, accepted=0, drafted=1)
     assert c.choose() > 0  # too few rows seen to give up
     for _ in range(20):
         _cycle(c, rows=8, accepted=0, drafted=1)
     assert c.choose() == 0
-    for _ in range(50):  # the head is not run any more: it stays off
-        _cycle(c, rows=8, accepted=1, drafted=1)
-    assert c.choose() == 0
+    for _ in range(40):  # off: cycles draft nothing, the evidence fades
+        _cycle(c, rows=8, accepted=0, drafted=0)
+        assert c.choose() == 0
+    for _ in range(110):
+        _cycle(c, rows=8, accepted=0, drafted=0)
+    assert c.choose() > 0  # 1,200 row-cycles later the prior speaks again
 
 
 class _Scripted:
@@ -207,3 +210,16 @@ def test_a_job_depth_must_win_by_the_margin():
     acc = [0.06, 0.0, 0.0]  # depth 1 predicted 1.06 / 1.05 = ~1.01x
     assert best_depth(costs, acc, 3) == 1
     assert best_depth(costs, acc, 3, margin=1.1) == 0
+
+
+def test_speculation_back_on_after_an_off_spell_keeps_greedy_output_exact(predictable_qwen):
+    # Rows that lived through depth-0 cycles draft from a head history with
+    # gaps and stale pending pairs: fewer drafts accepted, the same tokens.
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20], [5, 6, 7, 8], [30, 31]]
+    plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0), max_batch=3).generate(prompts, max_tokens=16)
+    rt = _with_scripted_auto(predictable_qwen, [2, 3, 0, 0, 0, 2, 3, 1, 0, 3, 0, 0, 1])
+    got = rt.generate(prompts, max_tokens=16)
+    assert [c.tokens for c in got] == [c.tokens for c in plain]
+    used = rt.auto.record["cycles_by_depth"]
+    assert all(used[str(k)] > 0 for k in range(4))
+    assert sum(sum(c.accepted_by_depth) for c in got) > 0
