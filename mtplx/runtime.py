@@ -117,7 +117,9 @@ class MTPLXRuntime:
         inflight = None
         while True:
             # The next cycle is launched before the host reads the one in
-            # flight, so building and reading overlap with device compute.
+            # flight, so reading overlaps with device compute. (On the CPU
+            # backend mx.async_eval returns only near the end of the cycle it
+            # starts, so graph building does not overlap there.)
             yield from self._refill(batch, waiting, seed, in_flight=int(inflight is not None))
             launched = None
             if batch.any_active():
