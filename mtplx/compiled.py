@@ -44,7 +44,7 @@ class SlotPass:
             return self.run(*inputs, caches)
         for c in caches:
             if isinstance(c, SlotKVCache):
-                c.reserve(c.host_max + T)
+                c.reserve(c.host_max + T)  # may replace keys/values, so they are read after
         kinds = tuple(type(c) for c in caches)
         if kinds != self._kinds:
             if self._kinds:  # the trace depends on the cache layout

@@ -162,22 +162,29 @@ def measure_cycle_costs(
 
 def _fastest_of_rounds(passes: dict, repeats: int, burst: int = 4) -> dict:
     """Per pass, the fastest round's time per call. A round is a burst of
-    back-to-back calls, each launched before the previous one finishes, as
-    the runtime launches a cycle before reading the last: a lone synced call
-    would also count the graph building the runtime hides."""
-    for fn in passes.values():  # warm-up: tracing and kernel builds
-        mx.eval(fn())
-        mx.eval(fn())
-    times = {name: [] for name in passes}
+    back-to-back calls, each launched before the previous one is read, as the
+    runtime launches cycles (on the CPU backend that overlaps little)."""
+    times = interleaved_times(passes, repeats, burst=burst, warmups=2)
+    return {name: min(ts) for name, ts in times.items()}
+
+
+def interleaved_times(fns: dict, repeats: int, burst: int = 1, warmups: int = 1) -> Dict[str, list]:
+    """Seconds per call of each function, timed round-robin so that load from
+    other processes on a shared machine hits every candidate alike; each
+    timing is a burst of `burst` calls launched back to back."""
+    for fn in fns.values():  # warm-up: tracing and kernel builds
+        for _ in range(warmups):
+            mx.eval(fn())
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, fn in passes.items():
+        for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(burst):
                 out = fn()
                 mx.async_eval(out)
             mx.eval(out)
             times[name].append((time.perf_counter() - t0) / burst)
-    return {name: min(ts) for name, ts in times.items()}
+    return times
 
 
 def _warm_trunk(model, B: int, context: int):

@@ -12,11 +12,12 @@ continuations, which is what greedy speculation is scored against:
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Dict, List, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from ..costs import interleaved_times
 
 
 def windows(stream: np.ndarray, length: int, count: int) -> np.ndarray:
@@ -98,20 +99,6 @@ def teacher_forced_acceptance(model, prompts: Sequence[Sequence[int]], new_token
     }
 
 
-def _interleaved_times(fns: Dict[str, callable], repeats: int) -> Dict[str, List[float]]:
-    """Seconds per call of each function, timed round-robin so that load from
-    other processes on a shared machine hits every candidate alike."""
-    for fn in fns.values():
-        mx.eval(fn())  # warm-up
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            mx.eval(fn())
-            times[k].append(time.perf_counter() - t0)
-    return times
-
-
 def _cost_row(times: Dict[str, List[float]], stat, verify_tokens) -> Dict[str, float]:
     row = {k: round(stat(v) * 1000, 3) for k, v in times.items()}
     row["head_over_trunk"] = round(row["head_1"] / row["trunk_1"], 3)
@@ -140,7 +127,7 @@ def step_costs(model, batch_sizes=(1, 4), verify_tokens=(2, 3, 4), context: int 
         for n in verify_tokens:
             fns[f"trunk_{n}"] = lambda n=n: model.forward(ctx[:, -n:], cache)
         fns["head_1"] = lambda: model.head(hidden[:, -1:], ctx[:, -1:], head_cache)
-        times = _interleaved_times(fns, repeats)
+        times = interleaved_times(fns, repeats)
         out[f"batch_{B}"] = {
             "median_ms": _cost_row(times, statistics.median, verify_tokens),
             "min_ms": _cost_row(times, min, verify_tokens),
