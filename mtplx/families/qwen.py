@@ -22,7 +22,7 @@ from typing import Dict, List
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..cache import SlotGDNCache
 from ..mtp_patch import CheckpointError, FamilyAdapter, register
@@ -191,24 +191,42 @@ def gated_delta_verify(gdn, x, cache: SlotGDNCache):
     conv_input = mx.concatenate([cache.conv, mixed], axis=1)  # [B, K-1+S, C]
     conv_out = nn.silu(_depthwise_conv(conv_input, gdn.conv1d.weight, S))  # [B, S, C]
     q, k, v = split_qkv(gdn, conv_out)
-    # One recurrence step at a time, keeping the state after each step, so
-    # commit picks each row's state instead of replaying the recurrence.
-    state = cache.state
-    outs, states = [], []
-    for t in range(S):
-        o, state = gated_delta_update(
-            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], a[:, t : t + 1], b[:, t : t + 1],
-            gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training,
-        )
-        outs.append(o)
-        states.append(state)
-    out = mx.concatenate(outs, axis=1) if S > 1 else outs[0]  # [B, S, Hv, Dv]
+    out, states = _recurrence(gdn, q, k, v, a, b, cache.state)  # [B, S, Hv, Dv], S x [B, Hv, Dv, Dk]
+    state = states[-1]
     cache.pending = (conv_input, mx.stack(states, axis=1))  # [B, S, Hv, Dv, Dk]
     # Until commit, the cache holds the state after all S steps.
     cache.conv = conv_input[:, -(K - 1):]
     cache.state = state
     out = gdn.norm(out, z)  # [B, S, Hv, Dv]
     return gdn.out_proj(out.reshape(B, S, -1))
+
+
+def _recurrence(gdn, q, k, v, a, b, state):
+    """The gated-delta recurrence, one step at a time, keeping the state after
+    each step so commit can pick each row's state instead of replaying.
+
+    Per step these are the ops of mlx-lm's reference recurrence
+    (`gated_delta_ops`, which the layer runs on the CPU); the gates and the
+    grouped-query repeat are computed once for all S steps rather than once
+    per step, which at decode sizes, where every graph node costs dispatch
+    time, is what a verify pays for each extra token.
+    q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], a, b [B, S, Hv], state [B, Hv, Dv, Dk].
+    """
+    beta = mx.sigmoid(b)  # [B, S, Hv]
+    g = compute_g(gdn.A_log, a, gdn.dt_bias)  # [B, S, Hv]
+    r = v.shape[2] // q.shape[2]
+    if r > 1:
+        q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)  # [B, S, Hv, Dk]
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        k_t = k[:, t, :, None, :]  # [B, Hv, 1, Dk]
+        state = state * g[:, t, :, None, None]
+        kv_mem = (state * k_t).sum(axis=-1)  # [B, Hv, Dv]
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]  # [B, Hv, Dv]
+        state = state + k_t * delta[..., None]
+        ys.append((state * q[:, t, :, None, :]).sum(axis=-1).astype(q.dtype))  # [B, Hv, Dv]
+        states.append(state)
+    return mx.stack(ys, axis=1), states
 
 
 def _run_layer(layer, x, mask, cache):
