@@ -73,13 +73,27 @@ def extend_geometrically(cumulative: Sequence[float], depths: int) -> List[float
 # speed-ups came out below predicted ones (0.8-0.95 of them at batch 4).
 SPECULATION_MARGIN = 1.1
 
+# A deeper depth must be predicted to win by this much over a shallower one:
+# the cycle costs carry a few percent of timing noise, and a deeper depth's
+# rows finish a batch less evenly, which the prediction does not see. (At
+# batch 1 here depths 2 and 3 were predicted equal, and depth 3 ran slower.)
+DEPTH_TOLERANCE = 1.03
+
+
+def fastest_depth(scores: dict, tolerance: float = DEPTH_TOLERANCE) -> int:
+    """The shallowest depth predicted within `tolerance` of the fastest."""
+    top = max(scores.values())
+    return min(k for k, s in scores.items() if s * tolerance >= top)
+
 
 def best_depth(costs, acceptance: Sequence[float], max_depth: int, margin: float = 1.0) -> int:
     """The depth with the best predicted speed-up; 0 unless one beats `margin`."""
     depths = [k for k in range(1, max_depth + 1) if k in costs.verify_s and k <= len(acceptance)]
     scores = {k: predicted_speedup(costs, acceptance, k) for k in depths}
-    best = max(scores, key=lambda k: (scores[k], -k), default=0)
-    return best if best and scores[best] >= margin else 0
+    if not scores:
+        return 0
+    best = fastest_depth(scores)
+    return best if max(scores.values()) >= margin else 0
 
 
 def conditional_rates(cumulative: Sequence[float]) -> List[float]:
@@ -144,8 +158,8 @@ class DepthController:
     def choose(self) -> int:
         acc = self.acceptance()
         scores = {k: predicted_speedup(self.costs, acc, k) for k in range(1, self.max_depth + 1)}
-        best = max(scores, key=lambda k: (scores[k], -k))
-        pays = scores[best] >= SPECULATION_MARGIN
+        best = fastest_depth(scores)
+        pays = max(scores.values()) >= SPECULATION_MARGIN
         if self.off and pays and self.rows_seen >= self.retry_rows:
             self.off, self.rows_seen = False, 0
         elif not self.off and not pays and self.rows_seen >= self.min_rows:

@@ -6,7 +6,7 @@ import pytest
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
-from mtplx.autodepth import best_depth
+from mtplx.autodepth import DEPTH_TOLERANCE, best_depth
 from mtplx.costs import BareCosts, ideal_tokens_per_cycle, predicted_speedup
 from mtplx.testing import tiny_checkpoint
 
@@ -26,6 +26,19 @@ def test_predicted_speedup_is_ideal_tokens_times_step_over_cycle():
 def test_cheap_verify_and_good_acceptance_pick_a_deep_draft():
     costs = _costs(10.0, {1: 10.5, 2: 11.0, 3: 11.5}, 0.5)
     assert best_depth(costs, [0.9, 0.8, 0.7], 3) == 3
+
+
+def test_a_deeper_depth_must_be_predicted_faster_by_the_tolerance_to_be_chosen():
+    # Depth 3 predicted 1% faster than depth 2: within timing noise, so 2.
+    costs = _costs(10.0, {1: 12.0, 2: 12.5, 3: 13.0}, 0.5)
+    acc = [0.8, 0.6, 0.22]
+    s2, s3 = predicted_speedup(costs, acc, 2), predicted_speedup(costs, acc, 3)
+    assert 1.0 < s3 / s2 < DEPTH_TOLERANCE
+    assert best_depth(costs, acc, 3) == 2
+    # With a far better third draft, depth 3 clears the tolerance and wins.
+    acc = [0.8, 0.6, 0.35]
+    assert predicted_speedup(costs, acc, 3) / predicted_speedup(costs, acc, 2) > DEPTH_TOLERANCE
+    assert best_depth(costs, acc, 3) == 3
 
 
 def test_compute_bound_verify_falls_back_to_plain_decoding():
