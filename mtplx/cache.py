@@ -152,23 +152,6 @@ class SlotGDNCache:
     def arrays(self):
         return [self.conv, self.state]
 
-    def commit(self, keep: mx.array, all_kept: bool):
-        """Keep `keep[b]` of the T verified steps of row b (1 <= keep <= T)."""
-        p = self.pending
-        self.pending = None
-        if p is None:
-            return
-        if all_kept:  # the verify forward already left the state after all T steps
-            return
-        conv_input, states = p  # [B, K-1+T, C], [B, T, Hv, Dv, Dk]
-        T = states.shape[1]
-        n_keep = conv_input.shape[1] - T
-        # The conv window is the input window ending at the last kept step.
-        pos = keep[:, None] + mx.arange(n_keep)[None, :]  # [B, K-1]
-        self.conv = mx.take_along_axis(conv_input, pos[..., None], axis=1)
-        idx = (keep - 1).reshape(-1, 1, 1, 1, 1)  # [B, 1, 1, 1, 1]
-        self.state = mx.take_along_axis(states, idx, axis=1)[:, 0]  # [B, Hv, Dv, Dk]
-
     def write_rows(self, rows: mx.array, conv: mx.array, state: mx.array):
         """Replace whole slots: conv [R, K-1, C], state [R, Hv, Dv, Dk]."""
         self.ensure(conv.shape[1:], conv.dtype, state.shape[1:])
@@ -183,6 +166,41 @@ class SlotGDNCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.conv is None else self.conv.nbytes + self.state.nbytes
+
+
+def commit_gdn(caches: List["SlotGDNCache"], keep: mx.array, all_kept: bool, compiled: bool = True):
+    """Commit every gated-delta cache of a verify: row b keeps `keep[b]` of
+    the T verified steps (1 <= keep <= T). Compiled, all layers' selects run
+    as one fused graph instead of a few small ops per layer."""
+    layers = [c for c in caches if isinstance(c, SlotGDNCache) and c.pending is not None]
+    pending = [c.pending for c in layers]
+    for c in layers:
+        c.pending = None
+    if all_kept or not layers:  # the verify already left the state after all T steps
+        return
+    kept = (_kept_states_compiled if compiled else _kept_states)(keep, pending)
+    for c, (conv, state) in zip(layers, kept):
+        c.conv, c.state = conv, state
+
+
+def _kept_states(keep: mx.array, pending: list) -> list:
+    """Per layer (conv_input [B, K-1+T, C], T x state [B, Hv, Dv, Dk]) -> the
+    conv window and state after step keep[b] of each row. A select per
+    candidate step rather than a gather over a stacked copy: T is small."""
+    out = []
+    for conv_input, states in pending:
+        T = len(states)
+        n = conv_input.shape[1] - T  # K-1
+        conv, state = conv_input[:, T:], states[-1]  # keep == T
+        for a in range(T - 1, 0, -1):
+            pick = keep == a  # [B]
+            conv = mx.where(pick[:, None, None], conv_input[:, a : a + n], conv)
+            state = mx.where(pick[:, None, None, None], states[a - 1], state)
+        out.append((conv, state))
+    return out
+
+
+_kept_states_compiled = mx.compile(_kept_states)
 
 
 def make_slot_caches(layer_kinds: List[str], batch_size: int) -> list:

@@ -52,7 +52,7 @@ class SlotPass:
             self._kinds = kinds
         outs = self._fn(*inputs, *_cache_arrays(caches))
         with_pending = self.keep_pending and T > 1
-        n_run = len(outs) - _n_outputs(caches, with_pending)
+        n_run = len(outs) - _n_outputs(caches, T, with_pending)
         _write_back(caches, outs[n_run:], T, with_pending)
         result = outs[:n_run]
         return result[0] if len(result) == 1 else tuple(result)
@@ -117,13 +117,13 @@ def _shadow_outputs(shadows, keep_pending: bool) -> list:
             out += [s.keys, s.values]
         else:
             out += [s.conv, s.state]
-            if keep_pending and s.pending[1].shape[1] > 1:
-                out += list(s.pending)  # [B, K-1+T, C], [B, T, Hv, Dv, Dk]
+            if keep_pending and len(s.pending[1]) > 1:
+                out += [s.pending[0], *s.pending[1]]  # [B, K-1+T, C], T x [B, Hv, Dv, Dk]
     return out
 
 
-def _n_outputs(caches, with_pending: bool) -> int:
-    return sum(2 if isinstance(c, SlotKVCache) else (4 if with_pending else 2) for c in caches)
+def _n_outputs(caches, T: int, with_pending: bool) -> int:
+    return sum(2 if isinstance(c, SlotKVCache) else (3 + T if with_pending else 2) for c in caches)
 
 
 def _write_back(caches, outs, T: int, with_pending: bool):
@@ -136,4 +136,4 @@ def _write_back(caches, outs, T: int, with_pending: bool):
         else:
             c.conv, c.state = next(it), next(it)
             # With one step the state after it is the only one: nothing to select.
-            c.pending = (next(it), next(it)) if with_pending else None
+            c.pending = (next(it), [next(it) for _ in range(T)]) if with_pending else None

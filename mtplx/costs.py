@@ -16,7 +16,7 @@ from typing import Dict, Sequence
 
 import mlx.core as mx
 
-from .cache import SlotGDNCache, SlotKVCache, make_slot_caches
+from .cache import SlotKVCache, commit_gdn, make_slot_caches
 from .compiled import SlotPass, head_layer
 
 
@@ -103,9 +103,7 @@ def measure_bare_costs(
 
         def verify():
             out = run((tokens[:, :T],), caches, T=T)
-            for c in caches:
-                if isinstance(c, SlotGDNCache):
-                    c.commit(keep, all_kept=T == 1)
+            commit_gdn(caches, keep, all_kept=T == 1, compiled=compiled)
             return [*out] + [a for c in caches for a in c.arrays]
 
         return _rolled_back(caches, verify)

@@ -259,7 +259,7 @@ class MTPLXRuntime:
         lp = _token_logprobs(logits, emitted_ids) if want_lp else None
 
         keep = mx.where(batch.active, accepted + 1, 0)  # [B]
-        batch.commit_trunk(before, keep, all_kept=(k == 0), span=span + k + 1)
+        batch.commit_trunk(before, keep, all_kept=(k == 0), span=span + k + 1, compiled=self.contract.compile)
         if k > 0:  # next cycle's depth-1 inputs: (H_0, d_1)..(H_{a-1}, d_a), (H_a, c)
             batch.cu_hidden = hidden
             batch.cu_tokens = emitted_ids.astype(mx.int32)

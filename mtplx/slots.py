@@ -8,7 +8,7 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .cache import SlotGDNCache, SlotKVCache, make_slot_caches
+from .cache import SlotGDNCache, SlotKVCache, commit_gdn, make_slot_caches
 from .completion import Request
 from .prefill import Prefilled
 
@@ -156,12 +156,11 @@ class SlotBatch:
         self._loads.clear()
 
     # -- commit (device only) ----------------------------------------------
-    def commit_trunk(self, before: list, keep: mx.array, all_kept: bool, span: int):
+    def commit_trunk(self, before: list, keep: mx.array, all_kept: bool, span: int, compiled: bool = True):
         """Row b keeps keep[b] of the verify entries (0 for empty slots)."""
+        commit_gdn(self.trunk, mx.maximum(keep, 1), all_kept, compiled)
         for c, lengths in zip(self.trunk, before):
-            if isinstance(c, SlotGDNCache):
-                c.commit(mx.maximum(keep, 1), all_kept)
-            else:
+            if isinstance(c, SlotKVCache):
                 c.set_lengths(lengths + keep, span)
 
     def head_lengths(self) -> list:

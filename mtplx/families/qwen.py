@@ -193,7 +193,7 @@ def gated_delta_verify(gdn, x, cache: SlotGDNCache):
     q, k, v = split_qkv(gdn, conv_out)
     out, states = _recurrence(gdn, q, k, v, a, b, cache.state)  # [B, S, Hv, Dv], S x [B, Hv, Dv, Dk]
     state = states[-1]
-    cache.pending = (conv_input, mx.stack(states, axis=1))  # [B, S, Hv, Dv, Dk]
+    cache.pending = (conv_input, states)  # [B, K-1+S, C], S x [B, Hv, Dv, Dk]
     # Until commit, the cache holds the state after all S steps.
     cache.conv = conv_input[:, -(K - 1):]
     cache.state = state
