@@ -60,6 +60,7 @@ QUICK = dict(
 )
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
 
+BARE_COST_ROUNDS = 21
 REPO_PROMPTS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "prompts.parquet"
 
 # Used when jobs/data/prompts.parquet is absent (an installed wheel) or pyarrow is.
@@ -184,7 +185,9 @@ def bench_batch_size(model, plan: BenchPlan, pool: List[List[int]], B: int, log)
     context = round(statistics.mean(len(p) for p in batch) + plan.max_tokens / 2)
     max_auto = MTPContract(depth="auto").max_depth_auto
     log(f"batch {B}: bare costs at context {context}")
-    costs = measure_bare_costs(model, B, depths=plan.cost_depths(max_auto), context=context)
+    # 21 interleaved rounds, fastest kept: on a shared 2-core VM fewer rounds
+    # left the one-token step 25% slow in one bench, which inflates every prediction.
+    costs = measure_bare_costs(model, B, depths=plan.cost_depths(max_auto), context=context, repeats=BARE_COST_ROUNDS)
     # Built once per batch size: "auto" calibrates (times its own cycles) when built.
     runtimes = {d: MTPLXRuntime(model, MTPContract(depth=d), max_batch=B) for d in plan.depths}
     records = []
