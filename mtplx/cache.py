@@ -133,8 +133,8 @@ class SlotGDNCache:
     """Gated-delta state per row: the conv window and the recurrent state.
 
     During verify the layer's own forward (see `families/qwen.py`) stores the
-    state after each step and the conv input in `pending`; `commit` keeps, per
-    row, the state after its accepted position.
+    state after each step and the conv input in `pending`; `commit_gdn` keeps,
+    per row, the state after its accepted position.
     """
 
     def __init__(self, batch_size: int):

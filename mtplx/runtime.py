@@ -7,7 +7,8 @@ A cycle over B slots at depth k:
   1. draft d_1..d_k (depth i>1 feeds the head its own output back);
   2. verify [x_n, d_1..d_k] with one trunk forward;
   3. accept per row, vectorised (mtplx.sampling.speculative_accept);
-  4. commit: trunk lengths += a_b + 1, gated-delta replay, head rollback;
+  4. commit: trunk lengths += a_b + 1, each row's gated-delta state after its
+     accepted step selected, head rollback;
   5. emit on the host, apply stop rules, free and refill finished slots.
 The host syncs once per cycle, to read accepted counts and tokens.
 """

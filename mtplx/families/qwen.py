@@ -181,8 +181,9 @@ def gated_delta_verify(gdn, x, cache: SlotGDNCache):
     """The gated-delta layer's forward with its per-step inputs kept for commit.
 
     Same parameters and mlx-lm ops as the layer's own __call__; the only
-    difference is that the recurrence inputs and the pre-verify state are
-    stored in `cache.pending`, so rollback replays the recurrence alone.
+    difference is that the conv input and the state after every step are
+    stored in `cache.pending`, so commit selects each row's state at its
+    accepted step (`cache.commit_gdn`) instead of replaying the recurrence.
     """
     B, S, _ = x.shape
     mixed, z, b, a = _project(gdn, x)  # [B, S, C], [B, S, Hv, Dv], [B, S, Hv] x2
