@@ -25,6 +25,7 @@ import numpy as np
 
 from .compiled import SlotPass, head_layer
 from .completion import Completion, Request, error_completion, find_stop_string
+from .decide import decide
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
 from .prefill import Prefilled, prefill_batch
@@ -32,7 +33,6 @@ from .sampling import (
     SamplingParams,
     batch_sampling,
     draft_tokens,
-    greedy_accept,
     greedy_tokens,
     position_keys,
     row_hash,
@@ -236,30 +236,11 @@ class MTPLXRuntime:
                 c.host_max = span
         verify_in = mx.concatenate([batch.primary[:, None], drafts], axis=1)  # [B, k+1]
         logits, hidden = self._verify((verify_in,), batch.trunk, T=k + 1)  # [B, k+1, V], [B, k+1, H]
-        # A non-finite position j only matters if the row gets that far: its
-        # drafts stop before j, and it errors only if j is where it decides.
-        bad_pos = mx.any(~mx.isfinite(logits), axis=-1)  # [B, k+1]
-        first_bad = mx.where(mx.any(bad_pos, axis=1), mx.argmax(bad_pos, axis=1), k + 1)  # [B]
-        logits = mx.where(bad_pos[..., None], 0.0, logits)
-        nv = mx.minimum(num_valid, first_bad.astype(mx.int32))  # [B]
-        if greedy:
-            accepted, nxt = greedy_accept(drafts, logits, num_valid=nv)  # [B], [B]
-        else:
-            p = target_probs(logits, batch.sampling)  # [B, k+1, V]
-            q = p[:, :0] if q is None else q
-            accepted, nxt = speculative_accept(
-                drafts, q, p, keys, num_valid=nv, rule=self.contract.acceptance, check_finite=False
-            )  # [B], [B]
-        bad = first_bad == accepted  # [B]
-        emitted_ids = mx.where(
-            mx.arange(k + 1)[None, :] == accepted[:, None],
-            nxt[:, None],
-            mx.concatenate([drafts, nxt[:, None]], axis=1),
-        )  # [B, k+1]: d_1..d_a, then the correction/bonus at index a
-        want_lp = any(r is not None and r.logprobs is not None for r in rows)
-        lp = _token_logprobs(logits, emitted_ids) if want_lp else None
-
-        keep = mx.where(batch.active, accepted + 1, 0)  # [B]
+        d = decide(logits, drafts, q, num_valid, batch.active, keys, batch.sampling,
+                   rule=self.contract.acceptance,
+                   logprobs=any(r is not None and r.logprobs is not None for r in rows),
+                   compiled=self.contract.compile)
+        accepted, nxt, emitted_ids, keep = d.accepted, d.next_token, d.emitted_ids, d.keep
         batch.commit_trunk(before, keep, all_kept=(k == 0), span=span + k + 1, compiled=self.contract.compile)
         if k > 0:  # next cycle's depth-1 inputs: (H_0, d_1)..(H_{a-1}, d_a), (H_a, c)
             batch.cu_hidden = hidden
@@ -268,13 +249,13 @@ class MTPLXRuntime:
             batch.cu_keep = keep
         batch.primary = nxt.astype(mx.int32)
         batch.emitted = batch.emitted + keep
-        outputs = [accepted, emitted_ids, nv, bad] + ([lp] if lp is not None else [])
+        outputs = [accepted, emitted_ids, d.num_valid, d.bad] + ([d.logprobs] if d.logprobs is not None else [])
         mx.async_eval(outputs + batch.cache_state())
         self.stats["cycles"] += 1
         if self.auto is not None:
             self.auto.record["cycles_by_depth"][str(k)] += 1
         self.stats["decode_seconds"] += time.perf_counter() - t0
-        return _InFlight(rows, accepted, emitted_ids, nv, bad, lp)
+        return _InFlight(rows, accepted, emitted_ids, d.num_valid, d.bad, d.logprobs)
 
     def _head_catch_up(self, batch: SlotBatch, span: int):
         """Write each row's pending verified pairs into every head layer; keep
@@ -488,11 +469,6 @@ def _key_hash(req: Request) -> int:
 def _take_rows(x: mx.array, idx: mx.array) -> mx.array:
     """x[b, idx[b]] for x [B, T, ...]."""
     return mx.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
-
-
-def _token_logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
-    lp = log_softmax_f32(logits)  # [B, T, V]
-    return mx.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]  # [B, T]
 
 
 def _trim(row: Row):

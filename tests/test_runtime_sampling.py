@@ -21,6 +21,7 @@ import pytest
 import mtplx
 import mtplx.sampling as sampling
 from mtplx import MTPContract, MTPLXRuntime
+from mtplx.decide import forget_traces
 from mtplx.sampling import SamplingParams, batch_sampling, target_probs
 from mtplx.testing import tiny_checkpoint
 
@@ -130,7 +131,16 @@ def test_same_test_rejects_a_planted_one_percent_tv_error(samples, exact):
     assert stat > thr
 
 
-def test_same_test_rejects_a_broken_acceptance_rule(model, exact, monkeypatch):
+@pytest.fixture
+def fresh_traces():
+    # The accept step runs as a traced graph; the planted bug must be traced,
+    # and must not outlive its test.
+    forget_traces()
+    yield
+    forget_traces()
+
+
+def test_same_test_rejects_a_broken_acceptance_rule(model, exact, monkeypatch, fresh_traces):
     # The classic bug: the correction drawn from the target instead of the residual.
     monkeypatch.setattr(sampling, "residual_distribution", lambda target, draft, mask=None: target)
     toks, _ = _samples(model, "residual")

@@ -1,0 +1,95 @@
+"""Step 3 of a decode cycle, accept, as one compiled graph.
+
+After the verify pass every row decides, from the target logits and its
+drafts, how many drafts it accepts and which token it emits next. At decode
+batch sizes these are dozens of small ops, each of which costs the CPU
+backend more to dispatch than to run; `mx.compile` turns them into a few
+fused kernels. The graph is traced once per shape and per static setting
+(all rows greedy or not, the acceptance rule, top-k/p filtering, logprobs).
+
+Non-finite target logits: a position j only matters if the row gets that
+far. Its drafts stop before j (num_valid), and the row errors only if j is
+where it decides (`bad`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+
+from .mtp_batch_numerics import log_softmax_f32
+from .sampling import BatchSampling, greedy_accept, speculative_accept, target_probs
+
+
+class Decision(NamedTuple):
+    accepted: mx.array  # [B] drafts accepted, a_b
+    next_token: mx.array  # [B] correction or bonus token at index a_b
+    emitted_ids: mx.array  # [B, k+1] d_1..d_a, then next_token at index a
+    num_valid: mx.array  # [B] drafts that counted (max_tokens, non-finite cut-off)
+    bad: mx.array  # [B] the decided position's logits were non-finite
+    keep: mx.array  # [B] verify entries each slot keeps (0 for empty slots)
+    logprobs: Optional[mx.array]  # [B, k+1] of emitted_ids, when asked for
+
+
+def decide(
+    logits: mx.array,
+    drafts: mx.array,
+    q: Optional[mx.array],
+    num_valid: mx.array,
+    active: mx.array,
+    keys: Optional[mx.array],
+    sampling: BatchSampling,
+    rule: str,
+    logprobs: bool,
+    compiled: bool = True,
+) -> Decision:
+    """logits [B, k+1, V] of the verify, drafts [B, k], q [B, k, V] the draft
+    distributions (None when greedy or k = 0), num_valid [B], active [B],
+    keys [B, k+1, 2] (None when every row is greedy)."""
+    greedy = sampling.all_greedy
+    fn = _decide_fn(greedy, sampling.any_filter, rule, logprobs, q is not None, compiled)
+    args = [logits, drafts, num_valid, active]
+    if not greedy:
+        args += [keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.greedy]
+        args += [q] if q is not None else []
+    out = fn(*args)
+    return Decision(*out[:6], out[6] if logprobs else None)
+
+
+@lru_cache(maxsize=None)
+def _decide_fn(greedy: bool, any_filter: bool, rule: str, logprobs: bool, has_q: bool, compiled: bool):
+    def run(logits, drafts, num_valid, active, *sampled):
+        k = drafts.shape[1]
+        bad_pos = mx.any(~mx.isfinite(logits), axis=-1)  # [B, k+1]
+        first_bad = mx.where(mx.any(bad_pos, axis=1), mx.argmax(bad_pos, axis=1), k + 1)  # [B]
+        logits = mx.where(bad_pos[..., None], 0.0, logits)
+        nv = mx.minimum(num_valid, first_bad.astype(mx.int32))  # [B]
+        if greedy:
+            accepted, nxt = greedy_accept(drafts, logits, num_valid=nv)  # [B], [B]
+        else:
+            keys, temperature, top_k, top_p, min_p, greedy_rows = sampled[:6]
+            bs = BatchSampling(temperature, top_k, top_p, min_p, greedy_rows, any_filter=any_filter, all_greedy=False)
+            p = target_probs(logits, bs)  # [B, k+1, V]
+            q = sampled[6] if has_q else p[:, :0]
+            accepted, nxt = speculative_accept(drafts, q, p, keys, num_valid=nv, rule=rule, check_finite=False)
+        emitted_ids = mx.where(
+            mx.arange(k + 1)[None, :] == accepted[:, None],
+            nxt[:, None],
+            mx.concatenate([drafts, nxt[:, None]], axis=1),
+        )  # [B, k+1]
+        keep = mx.where(active, accepted + 1, 0)  # [B]
+        out = [accepted, nxt, emitted_ids, nv, first_bad == accepted, keep]
+        if logprobs:
+            lp = log_softmax_f32(logits)  # [B, k+1, V]
+            out.append(mx.take_along_axis(lp, emitted_ids[..., None], axis=-1)[..., 0])  # [B, k+1]
+        return out
+
+    return mx.compile(run) if compiled else run
+
+
+def forget_traces() -> None:
+    """Drop the traced graphs: a trace holds the sampling functions as they
+    were when it was made (a test that plants a bug must trace anew)."""
+    _decide_fn.cache_clear()
