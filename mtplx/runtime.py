@@ -221,6 +221,7 @@ class MTPLXRuntime:
             [r.key_hash if r is not None else 0 for r in rows],
             [r.sample_index if r is not None else 0 for r in rows],
             batch.emitted[:, None] + mx.arange(k + 1, dtype=mx.int32)[None, :],
+            compiled=self.contract.compile,
         )  # [B, k+1, 2]: the key of each completion position this cycle decides
         num_valid = mx.clip(batch.max_tokens - batch.emitted - 1, 0, k)  # [B] rows near max_tokens draft fewer
 

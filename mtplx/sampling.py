@@ -192,21 +192,29 @@ def _split64(words: mx.array) -> mx.array:
     return mx.stack([hi, lo], axis=-1)
 
 
-def position_keys(seed: int, row_hashes, sample_index, positions: mx.array) -> mx.array:
+def position_keys(seed: int, row_hashes, sample_index, positions: mx.array, compiled: bool = False) -> mx.array:
     """uint32 [B, T, 2]: the key of each row's token at each position.
 
     row_hashes: B ints from row_hash; sample_index: B ints (or one int);
     positions: int [B, T], the absolute token index within the completion
     (any shape [B, ...] works). A row's keys depend only on its own inputs.
-    seed None is read as 0.
+    seed None is read as 0. `compiled` runs the device mixing as one traced
+    graph (integer ops: the same words either way).
     """
     positions = mx.array(positions) if not isinstance(positions, mx.array) else positions
     base = mx.array(_row_base(seed, row_hashes, sample_index))  # [B] uint64
+    return (_keys_at_compiled if compiled else _keys_at)(base, positions)
+
+
+def _keys_at(base: mx.array, positions: mx.array) -> mx.array:
     base = base.reshape(base.shape + (1,) * (positions.ndim - 1))  # [B, 1]
     pos = positions.astype(mx.int64).astype(mx.uint64)  # [B, T]
     # mix64 is a bijection, so distinct positions of one row never collide.
     words = _mix64(base ^ _mix64(pos + _mx_u64(_SALT_POS), _mx_u64), _mx_u64)  # [B, T]
     return _split64(words)  # [B, T, 2]
+
+
+_keys_at_compiled = mx.compile(_keys_at)
 
 
 def purpose_keys(keys: mx.array, purpose: Purpose) -> mx.array:
