@@ -1,4 +1,5 @@
-"""Step 3 of a decode cycle, accept, as one compiled graph.
+"""The token decisions of a decode cycle as compiled graphs: the drafter's
+choice at each depth (step 1) and accept (step 3).
 
 After the verify pass every row decides, from the target logits and its
 drafts, how many drafts it accepts and which token it emits next. At decode
@@ -19,8 +20,8 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from .mtp_batch_numerics import log_softmax_f32
-from .sampling import BatchSampling, greedy_accept, speculative_accept, target_probs
+from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
+from .sampling import BatchSampling, draft_tokens, greedy_accept, greedy_tokens, speculative_accept, target_probs
 
 
 class Decision(NamedTuple):
@@ -89,7 +90,37 @@ def _decide_fn(greedy: bool, any_filter: bool, rule: str, logprobs: bool, has_q:
     return mx.compile(run) if compiled else run
 
 
+def draft_choice(
+    head_logits: mx.array, keys: Optional[mx.array], sampling: BatchSampling, rule: str, compiled: bool = True
+):
+    """The drafter's token at one depth: head_logits [B, V], keys [B, 1, 2]
+    of the drafted position (None when every row is greedy) -> d [B, 1] and
+    q [B, 1, V] (None when greedy). A head gone non-finite only costs
+    acceptance: any q is exact, so its rows draft from the uniform."""
+    greedy = sampling.all_greedy
+    fn = _draft_fn(greedy, sampling.any_filter, rule, compiled)
+    if greedy:
+        return fn(head_logits)[0], None
+    d, q = fn(head_logits, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.greedy)
+    return d, q
+
+
+@lru_cache(maxsize=None)
+def _draft_fn(greedy: bool, any_filter: bool, rule: str, compiled: bool):
+    def run(logits, *sampled):
+        logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
+        if greedy:
+            return [greedy_tokens(logits)[:, None]]  # [B, 1]
+        keys, temperature, top_k, top_p, min_p, greedy_rows = sampled
+        bs = BatchSampling(temperature, top_k, top_p, min_p, greedy_rows, any_filter=any_filter, all_greedy=False)
+        q = target_probs(logits[:, None], bs)  # [B, 1, V]
+        return [draft_tokens(q, keys, rule), q]  # [B, 1], [B, 1, V]
+
+    return mx.compile(run) if compiled else run
+
+
 def forget_traces() -> None:
     """Drop the traced graphs: a trace holds the sampling functions as they
     were when it was made (a test that plants a bug must trace anew)."""
     _decide_fn.cache_clear()
+    _draft_fn.cache_clear()

@@ -25,15 +25,13 @@ import numpy as np
 
 from .compiled import SlotPass, head_layer
 from .completion import Completion, Request, error_completion, find_stop_string
-from .decide import decide
+from .decide import decide, draft_choice
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
 from .prefill import Prefilled, prefill_batch
 from .sampling import (
     SamplingParams,
     batch_sampling,
-    draft_tokens,
-    greedy_tokens,
     position_keys,
     row_hash,
     speculative_accept,
@@ -279,13 +277,9 @@ class MTPLXRuntime:
         committed = batch.head_lengths()
         drafts, qs = [], []
         for i in range(1, k + 1):
-            # A head gone non-finite only costs acceptance: any q is exact.
-            logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))
-            if keys is None:  # all rows greedy
-                d_i, q_i = greedy_tokens(logits)[:, None], None  # [B, 1]
-            else:
-                q_i = target_probs(logits[:, None], batch.sampling)  # [B, 1, V]
-                d_i = draft_tokens(q_i, keys[:, i - 1 : i], rule)  # [B, 1]
+            d_i, q_i = draft_choice(
+                logits, None if keys is None else keys[:, i - 1 : i], batch.sampling, rule, self.contract.compile
+            )  # [B, 1], [B, 1, V] (None when greedy)
             drafts.append(d_i)
             qs.append(q_i)
             if i < k:
