@@ -69,6 +69,9 @@ class MTPLXRuntime:
             for j in range(model.num_head_layers if self.depth > 0 else 0)
         ]
         self.stats = _new_stats(self.depth)
+        # Seconds of each recent cycle launch (building it and, on the CPU
+        # backend, most of its compute): what calibration takes medians of.
+        self.launch_seconds: deque = deque(maxlen=4096)
         if self.auto is not None:
             self.stats["auto_depth"] = self.auto.record
             self.auto.record["cycles_by_depth"] = {str(k): 0 for k in range(self.depth + 1)}
@@ -253,7 +256,9 @@ class MTPLXRuntime:
         self.stats["cycles"] += 1
         if self.auto is not None:
             self.auto.record["cycles_by_depth"][str(k)] += 1
-        self.stats["decode_seconds"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats["decode_seconds"] += seconds
+        self.launch_seconds.append(seconds)
         return _InFlight(rows, accepted, emitted_ids, d.num_valid, d.bad, d.logprobs)
 
     def _head_catch_up(self, batch: SlotBatch, span: int):
