@@ -170,8 +170,9 @@ class SlotGDNCache:
 
 def commit_gdn(caches: List["SlotGDNCache"], keep: mx.array, all_kept: bool, compiled: bool = True):
     """Commit every gated-delta cache of a verify: row b keeps `keep[b]` of
-    the T verified steps (1 <= keep <= T). Compiled, all layers' selects run
-    as one fused graph instead of a few small ops per layer."""
+    the T verified steps (keep <= T; 0, an empty slot, keeps 1). Compiled,
+    all layers' selects run as one fused graph instead of a few small ops
+    per layer."""
     layers = [c for c in caches if isinstance(c, SlotGDNCache) and c.pending is not None]
     pending = [c.pending for c in layers]
     for c in layers:
@@ -187,6 +188,7 @@ def _kept_states(keep: mx.array, pending: list) -> list:
     """Per layer (conv_input [B, K-1+T, C], T x state [B, Hv, Dv, Dk]) -> the
     conv window and state after step keep[b] of each row. A select per
     candidate step rather than a gather over a stacked copy: T is small."""
+    keep = mx.maximum(keep, 1)  # [B]
     out = []
     for conv_input, states in pending:
         T = len(states)

@@ -5,16 +5,19 @@
 - `head_s`: one head forward of 1 token per row (a draft step).
 Costs are measured with the slot caches and the compiled passes the runtime
 uses (`mtplx.compiled.SlotPass`), at a given batch size and context length,
-as medians of repeated timed passes.
+as the fastest of interleaved rounds (`measure_bare_costs`). `CycleCosts`
+are the runtime's own whole cycles (`measure_cycle_costs`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .cache import SlotKVCache, commit_gdn, make_slot_caches
 from .compiled import SlotPass, head_layer
@@ -147,8 +150,6 @@ def measure_cycle_costs(
     median over rounds of its ratio to depth 0 in the same round, since
     adjacent decodes share the machine's slow spells.
     """
-    import numpy as np
-
     from .mtp_patch import MTPContract
     from .runtime import MTPLXRuntime
 
@@ -172,10 +173,9 @@ def _anchored_to_depth0(times: Dict[int, list]) -> Dict[int, float]:
     """Per depth, the fastest depth-0 round x the median of its same-round
     ratios to depth 0 (rounds without a time skipped); without depth 0, the
     fastest round."""
-    import numpy as np
 
     def fastest(ts):
-        ts = [t for t in ts if t == t]
+        ts = [t for t in ts if not math.isnan(t)]
         return min(ts) if ts else float("inf")
 
     if 0 not in times:
@@ -183,7 +183,7 @@ def _anchored_to_depth0(times: Dict[int, list]) -> Dict[int, float]:
     base = fastest(times[0])
     out = {}
     for k, ts in times.items():
-        ratios = [t / t0 for t, t0 in zip(ts, times[0]) if t == t and t0 == t0]
+        ratios = [t / t0 for t, t0 in zip(ts, times[0]) if not (math.isnan(t) or math.isnan(t0))]
         out[k] = base * float(np.median(ratios)) if ratios else fastest(ts)
     return out
 

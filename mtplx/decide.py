@@ -53,7 +53,7 @@ def decide(
     fn = _decide_fn(greedy, sampling.any_filter, rule, logprobs, q is not None, compiled)
     args = [logits, drafts, num_valid, active]
     if not greedy:
-        args += [keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.greedy]
+        args += [keys, *_sampling_arrays(sampling)]
         args += [q] if q is not None else []
     out = fn(*args)
     return Decision(*out[:6], out[6] if logprobs else None)
@@ -70,8 +70,7 @@ def _decide_fn(greedy: bool, any_filter: bool, rule: str, logprobs: bool, has_q:
         if greedy:
             accepted, nxt = greedy_accept(drafts, logits, num_valid=nv)  # [B], [B]
         else:
-            keys, temperature, top_k, top_p, min_p, greedy_rows = sampled[:6]
-            bs = BatchSampling(temperature, top_k, top_p, min_p, greedy_rows, any_filter=any_filter, all_greedy=False)
+            keys, bs = sampled[0], _sampling_from(sampled[1:6], any_filter)
             p = target_probs(logits, bs)  # [B, k+1, V]
             q = sampled[6] if has_q else p[:, :0]
             accepted, nxt = speculative_accept(drafts, q, p, keys, num_valid=nv, rule=rule, check_finite=False)
@@ -101,7 +100,7 @@ def draft_choice(
     fn = _draft_fn(greedy, sampling.any_filter, rule, compiled)
     if greedy:
         return fn(head_logits)[0], None
-    d, q = fn(head_logits, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.greedy)
+    d, q = fn(head_logits, keys, *_sampling_arrays(sampling))
     return d, q
 
 
@@ -111,12 +110,21 @@ def _draft_fn(greedy: bool, any_filter: bool, rule: str, compiled: bool):
         logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
         if greedy:
             return [greedy_tokens(logits)[:, None]]  # [B, 1]
-        keys, temperature, top_k, top_p, min_p, greedy_rows = sampled
-        bs = BatchSampling(temperature, top_k, top_p, min_p, greedy_rows, any_filter=any_filter, all_greedy=False)
+        keys, bs = sampled[0], _sampling_from(sampled[1:], any_filter)
         q = target_probs(logits[:, None], bs)  # [B, 1, V]
         return [draft_tokens(q, keys, rule), q]  # [B, 1], [B, 1, V]
 
     return mx.compile(run) if compiled else run
+
+
+def _sampling_arrays(bs: BatchSampling) -> list:
+    """A batch's sampling parameters as the arrays a traced graph takes."""
+    return [bs.temperature, bs.top_k, bs.top_p, bs.min_p, bs.greedy]
+
+
+def _sampling_from(arrays, any_filter: bool) -> BatchSampling:
+    """BatchSampling inside a traced graph, from `_sampling_arrays` (some row samples)."""
+    return BatchSampling(*arrays, any_filter=any_filter, all_greedy=False)
 
 
 def forget_traces() -> None:

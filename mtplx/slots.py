@@ -158,7 +158,7 @@ class SlotBatch:
     # -- commit (device only) ----------------------------------------------
     def commit_trunk(self, before: list, keep: mx.array, all_kept: bool, span: int, compiled: bool = True):
         """Row b keeps keep[b] of the verify entries (0 for empty slots)."""
-        commit_gdn(self.trunk, mx.maximum(keep, 1), all_kept, compiled)
+        commit_gdn(self.trunk, keep, all_kept, compiled)
         for c, lengths in zip(self.trunk, before):
             if isinstance(c, SlotKVCache):
                 c.set_lengths(lengths + keep, span)
