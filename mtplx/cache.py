@@ -116,6 +116,15 @@ class SlotKVCache:
         self.lengths[rows] = 0
         self.host_max = int(host_max)
 
+    def take_rows(self, rows: mx.array) -> "SlotKVCache":
+        """A cache of len(rows) slots holding slots `rows` of this one."""
+        out = SlotKVCache(rows.shape[0])
+        if self.keys is not None:
+            out.keys, out.values = self.keys[rows], self.values[rows]  # [R, H, C, D]
+        out.lengths = self.lengths[rows]
+        out.host_max = self.host_max
+        return out
+
     @property
     def state(self):
         return self.keys, self.values, self.lengths
@@ -157,6 +166,14 @@ class SlotGDNCache:
         self.ensure(conv.shape[1:], conv.dtype, state.shape[1:])
         self.conv[rows] = conv.astype(self.conv.dtype)
         self.state[rows] = state.astype(self.state.dtype)
+
+    def take_rows(self, rows: mx.array) -> "SlotGDNCache":
+        """A cache of len(rows) slots holding slots `rows` of this one
+        (between cycles: nothing pending)."""
+        out = SlotGDNCache(rows.shape[0])
+        if self.conv is not None:
+            out.conv, out.state = self.conv[rows], self.state[rows]  # [R, K-1, C], [R, Hv, Dv, Dk]
+        return out
 
     def zero_rows(self, rows: mx.array):
         if self.conv is not None:

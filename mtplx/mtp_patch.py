@@ -32,6 +32,9 @@ class MTPContract:
         prefill memory.
     compile: run the decode passes as compiled MLX graphs (`mtplx.compiled`);
         False runs the same ops eagerly (same output, slower).
+    shrink_batch: once no prompt is waiting, decode the rows still running
+        in a batch their own size (the next power of two) rather than the
+        full one; what each row outputs does not change.
     """
 
     depth: Depth = 1
@@ -40,6 +43,7 @@ class MTPContract:
     prefill_batch_tokens: int = 4096
     max_depth_auto: int = 3
     compile: bool = True
+    shrink_batch: bool = True
 
     def __post_init__(self):
         if self.depth != "auto" and (not isinstance(self.depth, int) or self.depth < 0):

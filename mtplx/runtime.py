@@ -123,6 +123,15 @@ class MTPLXRuntime:
             # backend mx.async_eval returns only near the end of the cycle it
             # starts, so graph building does not overlap there.)
             yield from self._refill(batch, waiting, seed, in_flight=int(inflight is not None))
+            if self._should_shrink(batch, waiting):
+                if inflight is not None:  # slots move: read the cycle in flight first
+                    yield from self._collect(batch, inflight)
+                    inflight = None
+                    batch.flush(0)
+                if batch.any_active():
+                    batch = batch.shrunk()
+                    self._set_sampling(batch)
+                    self.stats["batch_shrinks"] += 1
             launched = None
             if batch.any_active():
                 launched = self._launch(batch, seed, int(inflight is not None), self._cycle_depth(batch))
@@ -150,8 +159,20 @@ class MTPLXRuntime:
                     continue
                 batch.load(b, pre, row, first)
         batch.flush(in_flight)
-        batch.sampling = batch_sampling(
-            [r.req.sampling if r is not None else SamplingParams() for r in batch.rows]
+        self._set_sampling(batch)
+
+    @staticmethod
+    def _set_sampling(batch: SlotBatch):
+        batch.sampling = batch_sampling([r.req.sampling if r is not None else SamplingParams() for r in batch.rows])
+
+    def _should_shrink(self, batch: SlotBatch, waiting: "_Samples") -> bool:
+        """Once nothing waits, rows left over run in a smaller batch (a cycle
+        computes every slot, occupied or not)."""
+        return (
+            self.contract.shrink_batch
+            and not waiting.pending
+            and batch.any_active()
+            and batch.shrink_size() < batch.size
         )
 
     def prepare(self, batch: List[tuple], seed: int) -> List["_Prepared"]:
@@ -483,5 +504,6 @@ def _new_stats(depth: int) -> dict:
         "prefill_seconds": 0.0,
         "decode_seconds": 0.0,
         "cycles": 0,
+        "batch_shrinks": 0,
         "depth_used": depth,
     }

@@ -155,6 +155,39 @@ class SlotBatch:
             self.cu_keep[rows] = 1
         self._loads.clear()
 
+    # -- shrinking at the end of a job ------------------------------------
+    def shrink_size(self) -> int:
+        """The smallest power of two that holds the occupied slots. Powers
+        of two bound how many batch shapes the compiled passes are traced for."""
+        live = sum(r is not None for r in self.rows)
+        return 1 << max(live - 1, 0).bit_length()
+
+    def shrunk(self) -> "SlotBatch":
+        """The occupied slots moved into a batch of `shrink_size()` slots
+        (rows keep their order; the rest are empty). Every slot is computed
+        each cycle whether or not a row holds it, so once no prompt waits the
+        rows left over are decoded in a batch their own size. Call between
+        cycles, after `flush` (free slots are then zeroed and become the
+        new batch's empty ones)."""
+        assert not self._loads and not self._released, "flush before shrinking"
+        size = self.shrink_size()
+        live = [b for b, r in enumerate(self.rows) if r is not None]
+        free = [b for b, r in enumerate(self.rows) if r is None]
+        slots = live + free[: size - len(live)]
+        idx = mx.array(slots, dtype=mx.int32)  # [size]
+        out = SlotBatch.__new__(SlotBatch)
+        out.size, out.depth = size, self.depth
+        out.trunk = [c.take_rows(idx) for c in self.trunk]
+        out.head = [c.take_rows(idx) for c in self.head]
+        out.rows = [self.rows[b] for b in slots]
+        out.trunk_len, out.head_len = self.trunk_len[slots], self.head_len[slots]
+        for name in ("primary", "emitted", "max_tokens", "active", "cu_tokens", "cu_take", "cu_keep"):
+            setattr(out, name, getattr(self, name)[idx])
+        out.cu_hidden = None if self.cu_hidden is None else self.cu_hidden[idx]
+        out.sampling = None  # set by the runtime's next refill
+        out._loads, out._released = [], set()
+        return out
+
     # -- commit (device only) ----------------------------------------------
     def commit_trunk(self, before: list, keep: mx.array, all_kept: bool, span: int, compiled: bool = True):
         """Row b keeps keep[b] of the verify entries (0 for empty slots)."""

@@ -160,6 +160,31 @@ def test_empty_and_overlong_prompts_become_error_rows(models):
     assert outs[2].finish_reason in ("length", "stop") and outs[2].error is None
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_rows_left_at_the_end_run_in_a_smaller_batch_and_output_the_same(models, depth):
+    from mtplx.runtime import Request
+
+    model = models["qwen3_5"]
+    prompts = _prompts(8, seed=5)
+    # Rows end at different cycles (at the latest at their max_tokens), so the batch shrinks.
+    limits = [3, 16, 5, 9, 2, 12, 7, 14]
+    sps = [SamplingParams(), SamplingParams(temperature=1.0)] * 4
+    reqs = [
+        Request(index=i, prompt=p, sampling=sp, max_tokens=n, row_id=f"r{i}", logprobs=True)
+        for i, (p, sp, n) in enumerate(zip(prompts, sps, limits))
+    ]
+    out = {}
+    for shrink in (False, True):
+        rt = MTPLXRuntime(model, MTPContract(depth=depth, shrink_batch=shrink), max_batch=8)
+        out[shrink] = sorted(rt.stream(reqs, seed=5), key=lambda c: c.index)
+        assert (rt.stats["batch_shrinks"] > 0) == shrink
+    for a, b in zip(out[False], out[True]):
+        assert a.error is None and b.error is None
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert (a.drafted_by_depth, a.accepted_by_depth) == (b.drafted_by_depth, b.accepted_by_depth)
+
+
 def test_sampled_row_is_the_same_alone_and_in_a_batch(models):
     model = models["qwen3_5"]
     prompts = _prompts(6, seed=9)
