@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mtplx
-from mtplx.training.chunked_delta import chunked_gated_delta, log_gate
+from mtplx.gated_delta_chunked import chunked_gated_delta, log_gate
 from mtplx.training.corpus import HELD_OUT_MODULES, function_examples, is_held_out, split_corpus, stdlib_sources
 from mtplx.training.export import export_checkpoint
 from mtplx.training.model import ModelShape, TinyMTP, release_config
@@ -45,7 +45,7 @@ def test_chunked_gated_delta_equals_mlx_lm_recurrence(length, chunk):
     a, b = mx.random.normal((B, length, Hv)), mx.random.normal((B, length, Hv))
     A_log, dt_bias = mx.log(mx.random.uniform(0.5, 8, (Hv,))), mx.ones((Hv,))
     want, _ = gated_delta_ops(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), mx.zeros((B, Hv, D, D)))
-    got = chunked_gated_delta(q, k, v, log_gate(A_log, a, dt_bias), mx.sigmoid(b), chunk)
+    got, _ = chunked_gated_delta(q, k, v, log_gate(A_log, a, dt_bias), mx.sigmoid(b), chunk)
     assert got.shape == want.shape
     assert mx.abs(got - want).max().item() < 1e-5
 
@@ -64,7 +64,7 @@ def test_chunked_gated_delta_gradients_equal_the_recurrence_gradients():
         return (y * r).sum()
 
     def chunked(q, k, v, log_g, beta):
-        return (chunked_gated_delta(q, k, v, log_g, beta, 8) * r).sum()
+        return (chunked_gated_delta(q, k, v, log_g, beta, 8)[0] * r).sum()
 
     args, argnums = (q, k, v, log_g, beta), (0, 1, 2, 3, 4)
     for want, got in zip(mx.grad(recurrent, argnums)(*args), mx.grad(chunked, argnums)(*args)):

@@ -25,6 +25,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..cache import SlotGDNCache
+from ..gated_delta_chunked import chunked_gated_delta, log_gate
 from ..mtp_patch import CheckpointError, FamilyAdapter, register
 from .common import bind_shared, load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
 
@@ -230,10 +231,54 @@ def _recurrence(gdn, q, k, v, a, b, state):
     return mx.stack(ys, axis=1), states
 
 
+# -- prompt-time forward of a gated-delta layer ---------------------------------
+
+# A prompt chunk at least this long runs the recurrence chunk-wise; shorter
+# ones (and every decode step) run mlx-lm's step-by-step ops.
+CHUNKED_PREFILL_MIN = 16
+PREFILL_CHUNK = 16  # tokens per chunk of the chunk-wise recurrence (16 and 32 ran alike here)
+
+
+def gated_delta_prefill(gdn, x, mask, cache):
+    """The gated-delta layer's own forward over a prompt chunk, with an mlx-lm
+    ArraysCache ([conv window, state], `lengths` for right-padded rows), but
+    with the recurrence computed chunk-wise (`mtplx.gated_delta_chunked`):
+    the same projections, conv, masking and cache updates as mlx-lm's
+    __call__, and a recurrence that agrees with its step-by-step one to float
+    rounding. Steps past a row's length (mask False) leave its state as is."""
+    B, S, _ = x.shape
+    mixed, z, b, a = _project(gdn, x)  # [B, S, C], [B, S, Hv, Dv], [B, S, Hv] x2
+    K = gdn.conv_kernel_size
+    conv_state = cache[0] if cache[0] is not None else mx.zeros((B, K - 1, gdn.conv_dim), dtype=x.dtype)
+    if mask is not None:
+        mixed = mx.where(mask[..., None], mixed, 0)
+    conv_input = mx.concatenate([conv_state, mixed], axis=1)  # [B, K-1+S, C]
+    if cache.lengths is not None:
+        ends = mx.clip(cache.lengths, 0, S)
+        cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(K - 1))[..., None], axis=1)
+    else:
+        cache[0] = mx.contiguous(conv_input[:, -(K - 1):, :])
+    conv_out = nn.silu(gdn.conv1d(conv_input))  # [B, S, C]
+    q, k, v = split_qkv(gdn, conv_out)
+    log_g = log_gate(gdn.A_log, a, gdn.dt_bias)  # [B, S, Hv]
+    beta = mx.sigmoid(b)  # [B, S, Hv]
+    if mask is not None:  # a padded step: g = 1, beta = 0
+        log_g, beta = mx.where(mask[..., None], log_g, 0.0), mx.where(mask[..., None], beta, 0.0)
+    out, cache[1] = chunked_gated_delta(q, k, v, log_g, beta, PREFILL_CHUNK, cache[1])
+    cache.advance(S)
+    out = gdn.norm(out, z)  # [B, S, Hv, Dv]
+    return gdn.out_proj(out.reshape(B, S, -1))
+
+
 def _run_layer(layer, x, mask, cache):
-    if getattr(layer, "is_linear", False) and isinstance(cache, SlotGDNCache):
-        # The decoder layer's residual structure around our verify forward.
-        h = x + gated_delta_verify(layer.linear_attn, layer.input_layernorm(x), cache)
+    if getattr(layer, "is_linear", False) and cache is not None:
+        # The decoder layer's residual structure around our own forwards.
+        if isinstance(cache, SlotGDNCache):
+            h = x + gated_delta_verify(layer.linear_attn, layer.input_layernorm(x), cache)
+        elif x.shape[1] >= CHUNKED_PREFILL_MIN:
+            h = x + gated_delta_prefill(layer.linear_attn, layer.input_layernorm(x), mask, cache)
+        else:
+            return layer(x, mask, cache)
         return h + layer.mlp(layer.post_attention_layernorm(h))
     return layer(x, mask, cache)
 
