@@ -57,3 +57,16 @@ def test_short_prompt_chunks_run_mlx_lm_step_by_step_bit_for_bit(tmp_path):
     ours, _ = model.forward(tokens, model.make_cache())
     ref = model.trunk(tokens, cache=None)
     assert mx.array_equal(ours, ref).item()
+
+
+def test_half_precision_prompts_prefill_bit_for_bit_as_mlx_lm(tmp_path):
+    # In bf16 the chunk-wise form's rounding differences would move logits by
+    # whole bf16 steps, so half-precision models keep mlx-lm's own recurrence.
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path, vocab_size=VOCAB))
+    model.trunk.set_dtype(mx.bfloat16)
+    tokens = mx.array([np.random.default_rng(1).integers(1, VOCAB, 40).tolist()], dtype=mx.int32)
+    assert tokens.shape[1] >= qwen.CHUNKED_PREFILL_MIN
+    ours, _ = model.forward(tokens, model.make_cache())
+    ref = model.trunk(tokens, cache=model.make_cache())
+    assert ours.dtype == mx.bfloat16
+    assert mx.array_equal(ours, ref).item()

@@ -233,8 +233,12 @@ def _recurrence(gdn, q, k, v, a, b, state):
 
 # -- prompt-time forward of a gated-delta layer ---------------------------------
 
-# A prompt chunk at least this long runs the recurrence chunk-wise; shorter
-# ones (and every decode step) run mlx-lm's step-by-step ops.
+# A float32 prompt chunk at least this long runs the recurrence chunk-wise;
+# shorter ones, every decode step and half-precision models run mlx-lm's
+# step-by-step ops. (In bf16 the chunk-wise form's float32 rounding
+# differences, about 1e-7, move activations by whole bf16 steps, about 1e-2
+# on a tiny model's logits, where the step-by-step prefill is bit-identical
+# to mlx-lm's.)
 CHUNKED_PREFILL_MIN = 16
 PREFILL_CHUNK = 16  # tokens per chunk of the chunk-wise recurrence (16 and 32 ran alike here)
 
@@ -275,7 +279,7 @@ def _run_layer(layer, x, mask, cache):
         # The decoder layer's residual structure around our own forwards.
         if isinstance(cache, SlotGDNCache):
             h = x + gated_delta_verify(layer.linear_attn, layer.input_layernorm(x), cache)
-        elif x.shape[1] >= CHUNKED_PREFILL_MIN:
+        elif x.shape[1] >= CHUNKED_PREFILL_MIN and x.dtype == mx.float32:
             h = x + gated_delta_prefill(layer.linear_attn, layer.input_layernorm(x), mask, cache)
         else:
             return layer(x, mask, cache)
