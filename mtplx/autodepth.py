@@ -3,11 +3,13 @@ this machine, and keep adjusting it to the acceptance the job is getting.
 
 The expected speed-up of depth k over plain decoding is
     (1 + sum_{i<=k} alpha_i) * cycle_time(0) / cycle_time(k)
-with alpha_i the cumulative acceptance at depth i. The cycle times are the
-runtime's own, measured here at the runtime's batch size by short decodes at
-every depth (`costs.measure_cycle_costs`), so they include what a cycle costs
-beyond the bare passes. Every slot is computed whether or not a row occupies
-it, so the ratio between depths does not move as rows come and go.
+with alpha_i the cumulative acceptance at depth i. The cycle times are
+measured here at the runtime's batch size: the bare passes (one-token step,
+verify over k+1 tokens, head pass; `costs.measure_bare_costs`) give their
+shape across depths, and short decodes of the runtime itself at every depth
+(`costs.measure_cycle_costs`) give how much a whole cycle costs beyond the
+bare passes. Every slot is computed whether or not a row occupies it, so the
+ratio between depths does not move as rows come and go.
 alpha starts from the model's own recorded evaluation when it ships one (the
 built-in model does), else a cautious prior.
 
@@ -37,7 +39,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .costs import CycleCosts, measure_cycle_costs, predicted_speedup
+from .costs import CycleCosts, measure_bare_costs, measure_cycle_costs, predicted_speedup
 
 DEFAULT_ACCEPTANCE = (0.5, 0.3, 0.18, 0.1)  # cautious prior, cumulative by depth
 
@@ -78,6 +80,10 @@ SPECULATION_MARGIN = 1.1
 # rows finish a batch less evenly, which the prediction does not see. (At
 # batch 1 here depths 2 and 3 were predicted equal, and depth 3 ran slower.)
 DEPTH_TOLERANCE = 1.03
+
+
+# Interleaved rounds of the bare passes timed at calibration (fastest kept).
+BARE_ROUNDS = 7
 
 
 def fastest_depth(scores: dict, tolerance: float = DEPTH_TOLERANCE) -> int:
@@ -181,11 +187,15 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
         return AutoDepth(0, 0, None, {"depth": 0, "reason": "no MTP head"})
     K = contract.max_depth_auto
     acceptance = acceptance_prior(model, K)
-    costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile)
+    # The bare passes give the shape of cost across depths; the runtime's own
+    # short decodes, how much a whole cycle costs beyond them.
+    bare = measure_bare_costs(model, max_batch, depths=range(1, K + 1), repeats=BARE_ROUNDS, compiled=contract.compile)
+    costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile, bare=bare)
     k = best_depth(costs, acceptance, K, margin=SPECULATION_MARGIN)
     record = {
         "depth": k,
         "acceptance_prior": acceptance,
+        "bare_costs": bare.as_dict(),
         "cycle_costs": costs.as_dict(),
         "predicted_speedup": {str(d): predicted_speedup(costs, acceptance, d) for d in range(K + 1)},
     }

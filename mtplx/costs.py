@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -52,6 +52,9 @@ class CycleCosts:
 
     batch_size: int
     seconds: Dict[int, float]
+    # Measured cycle time relative to depth 0 over the bare passes' ratio,
+    # when the shape across depths comes from bare costs (`_shaped_by_bare`).
+    overhead: Optional[float] = None
 
     @property
     def step_s(self) -> float:
@@ -65,7 +68,10 @@ class CycleCosts:
         return self.seconds[k]
 
     def as_dict(self) -> dict:
-        return {"batch_size": self.batch_size, "cycle_s": {str(k): v for k, v in self.seconds.items()}}
+        out = {"batch_size": self.batch_size, "cycle_s": {str(k): v for k, v in self.seconds.items()}}
+        if self.overhead is not None:
+            out["overhead_over_bare"] = self.overhead
+        return out
 
 
 def ideal_tokens_per_cycle(acceptance_by_depth: Sequence[float], k: int) -> float:
@@ -136,6 +142,7 @@ def measure_cycle_costs(
     prompt_len: int = 48,
     max_tokens: int = 32,
     rounds: int = 5,
+    bare: Optional[BareCosts] = None,
 ) -> CycleCosts:
     """Seconds per cycle of MTPLXRuntime at each depth, on `batch_size`
     random prompts: runtimes at every depth take turns (after a warm-up that
@@ -148,7 +155,9 @@ def measure_cycle_costs(
     The median, not the mean, because on a shared VM single cycles stall.
     Depth 0's cost is its fastest round; another depth's is that times the
     median over rounds of its ratio to depth 0 in the same round, since
-    adjacent decodes share the machine's slow spells.
+    adjacent decodes share the machine's slow spells. Given `bare` costs of
+    the same batch size, the shape across depths comes from them instead
+    (`_shaped_by_bare`).
     """
     from .mtp_patch import MTPContract
     from .runtime import MTPLXRuntime
@@ -170,7 +179,34 @@ def measure_cycle_costs(
             steady = list(rt.launch_seconds)[1:]
             # every row can stop at once on a stop token: such a round has no time
             times[k].append(float(np.median(steady)) if steady else float("nan"))
+    if bare is not None and 0 in times:
+        seconds, overhead = _shaped_by_bare(times, bare)
+        return CycleCosts(batch_size, seconds, overhead)
     return CycleCosts(batch_size, _anchored_to_depth0(times))
+
+
+def _shaped_by_bare(times: Dict[int, list], bare: BareCosts):
+    """Depth 0's cost is its fastest round; depth k's is that x the bare
+    cycle ratio bare.cycle_s(k) / bare.step_s x one overhead factor: the
+    median, over every round and depth, of the measured same-round ratio to
+    depth 0 divided by the bare ratio.
+
+    The bare passes are timed in many interleaved rounds and give the shape
+    across depths; a few short decodes per depth cannot (on this 2-core VM
+    one calibration measured depth 3 cheaper than depth 2, and the job ran
+    depth 3). The runtime's own cycles give the one thing the bare passes
+    lack: what a whole cycle costs beyond them, pooled over all depths."""
+    rel = [
+        (t / t0) / (bare.cycle_s(k) / bare.step_s)
+        for k, ts in times.items()
+        if k > 0
+        for t, t0 in zip(ts, times[0])
+        if not (math.isnan(t) or math.isnan(t0))
+    ]
+    overhead = float(np.median(rel)) if rel else 1.0
+    base = min((t for t in times[0] if not math.isnan(t)), default=float("inf"))
+    seconds = {k: base if k == 0 else base * overhead * bare.cycle_s(k) / bare.step_s for k in times}
+    return seconds, overhead
 
 
 def _anchored_to_depth0(times: Dict[int, list]) -> Dict[int, float]:

@@ -213,6 +213,7 @@ def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
     costs = measure_cycle_costs(model, 2, depths=range(3), max_tokens=6, rounds=1)
     assert set(costs.seconds) == {0, 1, 2} and all(0 < s < 5 for s in costs.seconds.values())
+    assert costs.overhead is None
     assert costs.step_s == costs.seconds[0] and costs.verify_s == {1: costs.seconds[1], 2: costs.seconds[2]}
     # The predicted speed-up divides cycle times directly.
     assert predicted_speedup(costs, [0.5, 0.25], 2) == pytest.approx(1.75 * costs.seconds[0] / costs.seconds[2])
@@ -230,6 +231,22 @@ def test_cycle_costs_are_depth0s_fastest_round_times_each_depths_median_same_rou
     assert out[2] == pytest.approx(10.0 * 1.8)  # round 1 has no time: ratios 1.8, 1.8
     # Without depth 0 there is nothing to anchor to: the fastest round.
     assert _anchored_to_depth0({1: [3.0, 2.0]}) == {1: 2.0}
+
+
+def test_with_bare_costs_the_shape_across_depths_is_theirs_and_the_overhead_is_pooled():
+    from mtplx.costs import BareCosts, _shaped_by_bare
+
+    nan = float("nan")
+    bare = BareCosts(batch_size=4, context=64, step_s=5.0, verify_s={1: 7.0, 2: 8.0, 3: 9.0}, head_s=0.5)
+    # bare cycle ratios: 1.5, 1.8, 2.1. Measured depth 3 came out cheaper than
+    # depth 2 (noise); pooled over depths the runtime costs 10% over bare.
+    times = {0: [10.0, 20.0, 11.0], 1: [16.5, 33.0, 40.0], 2: [nan, 39.6, 21.78], 3: [19.0, 46.2, 25.41]}
+    seconds, overhead = _shaped_by_bare(times, bare)
+    assert overhead == pytest.approx(1.1)
+    assert seconds[0] == 10.0
+    for k, ratio in ((1, 1.5), (2, 1.8), (3, 2.1)):
+        assert seconds[k] == pytest.approx(10.0 * 1.1 * ratio)
+    assert seconds[1] < seconds[2] < seconds[3]
 
 
 def test_a_job_depth_must_win_by_the_margin():
