@@ -11,11 +11,13 @@ shape across depths, and short decodes of the runtime itself at every depth
 bare passes. Every slot is computed whether or not a row occupies it, so the
 ratio between depths does not move as rows come and go.
 alpha starts from the model's own recorded evaluation when it ships one (the
-built-in model does), else a cautious prior.
+built-in model records the runtime's acceptance on held-out prompts, greedy
+and at temperature 1), else a cautious prior.
 
 Two regimes, because under sampling with the residual rule a row's draws
 depend on the depth each of its cycles used:
-- **job depth**: calibration picks one depth for the whole job. Every cycle in
+- **job depth**: calibration picks one depth for the whole job, from the
+  sampled acceptance prior (only sampled rows run at it). Every cycle in
   which some row samples under the residual rule runs at it, so such a row's
   output never depends on other rows or on timing. Depth 0 (no head work at
   all) unless a depth is predicted to beat plain decoding by 10%
@@ -44,19 +46,26 @@ from .costs import CycleCosts, measure_bare_costs, measure_cycle_costs, predicte
 DEFAULT_ACCEPTANCE = (0.5, 0.3, 0.18, 0.1)  # cautious prior, cumulative by depth
 
 
-def acceptance_prior(model, depths: int = len(DEFAULT_ACCEPTANCE)) -> List[float]:
-    """Cumulative acceptance by depth 1..`depths`: the teacher-forced greedy
-    acceptance recorded in the checkpoint's training.json (the built-in model
-    records depths 1 and 2), else a cautious default. Depths past the
-    recorded ones repeat the last conditional rate."""
+def acceptance_prior(model, depths: int = len(DEFAULT_ACCEPTANCE), sampled: bool = False) -> List[float]:
+    """Cumulative acceptance by depth 1..`depths`, from the checkpoint's
+    training.json: the runtime's own acceptance on held-out prompts, greedy or
+    at temperature 1 (`sampled`), which the built-in model records for depths
+    1-3; else the teacher-forced greedy figure (depths 1 and 2); else a
+    cautious default. Depths past the recorded ones repeat the last
+    conditional rate."""
     rates = list(DEFAULT_ACCEPTANCE)
     meta = model.path / "training.json"
     if meta.exists():
         try:
-            rec = json.loads(meta.read_text())["acceptance_teacher_forced"]
-            rates = [float(rec["depth1"])]
-            if "depth2_cumulative" in rec:
-                rates.append(float(rec["depth2_cumulative"]))
+            found = json.loads(meta.read_text())
+            runtime = found.get("acceptance_runtime", {}).get("temperature_1" if sampled else "greedy")
+            if runtime and all(a is not None for a in runtime["by_depth"]):
+                rates = [float(a) for a in runtime["by_depth"]]
+            else:
+                rec = found["acceptance_teacher_forced"]
+                rates = [float(rec["depth1"])]
+                if "depth2_cumulative" in rec:
+                    rates.append(float(rec["depth2_cumulative"]))
         except (ValueError, KeyError, TypeError):
             rates = list(DEFAULT_ACCEPTANCE)
     return extend_geometrically(rates, depths)
@@ -126,12 +135,13 @@ class DepthController:
     Early cycles of a row accept less than later ones, which is why a single
     bad spell must not switch it off for good. Rows that lived through an off
     spell draft from a head history with gaps: that lowers their acceptance,
-    never their output.
+    never their output. `start_off`: begin with speculation off, as when the
+    prior is not predicted to pay; it then goes on only once it is.
     """
 
     def __init__(self, costs: CycleCosts, prior: Sequence[float], max_depth: int,
                  half_life_rows: float = 256.0, prior_weight: float = 32.0,
-                 min_rows: int = 256, retry_rows: int = 1024):
+                 min_rows: int = 256, retry_rows: int = 1024, start_off: bool = False):
         self.costs = costs
         self.max_depth = max_depth
         self.prior_passed = prior_weight * np.array(conditional_rates(prior[:max_depth]))  # [K]
@@ -142,7 +152,7 @@ class DepthController:
         self.min_rows = min_rows
         self.retry_rows = retry_rows
         self.rows_seen = 0  # row-cycles since speculation last went on or off
-        self.off = False
+        self.off = start_off  # on when the prior is not predicted to pay
 
     def observe(self, accepted: np.ndarray, drafted: np.ndarray):
         """One cycle's active rows: accepted a_b and drafted (num_valid) counts."""
@@ -186,24 +196,30 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     if model.head is None:
         return AutoDepth(0, 0, None, {"depth": 0, "reason": "no MTP head"})
     K = contract.max_depth_auto
-    acceptance = acceptance_prior(model, K)
+    acceptance = acceptance_prior(model, K)  # greedy: what the per-cycle controller starts from
+    sampled = acceptance_prior(model, K, sampled=True)  # what the job depth (sampled rows) is chosen for
     # The bare passes give the shape of cost across depths; the runtime's own
     # short decodes, how much a whole cycle costs beyond them.
     bare = measure_bare_costs(model, max_batch, depths=range(1, K + 1), repeats=BARE_ROUNDS, compiled=contract.compile)
     costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile, bare=bare)
-    k = best_depth(costs, acceptance, K, margin=SPECULATION_MARGIN)
+    job = best_depth(costs, sampled, K, margin=SPECULATION_MARGIN)
+    greedy = best_depth(costs, acceptance, K, margin=SPECULATION_MARGIN)
     record = {
-        "depth": k,
+        "depth": job,
+        "greedy_depth_at_start": greedy,
         "acceptance_prior": acceptance,
+        "acceptance_prior_sampled": sampled,
         "bare_costs": bare.as_dict(),
         "cycle_costs": costs.as_dict(),
         "predicted_speedup": {str(d): predicted_speedup(costs, acceptance, d) for d in range(K + 1)},
+        "predicted_speedup_sampled": {str(d): predicted_speedup(costs, sampled, d) for d in range(K + 1)},
     }
-    if k == 0:
+    if job == 0 and greedy == 0:
         record["policy"] = "plain decoding: no depth is predicted to pay on this machine at this batch size"
         return AutoDepth(0, 0, None, record)
     record["policy"] = (
-        f"depth {k} in cycles with a row sampling under the residual rule (one depth per job); "
-        f"otherwise (greedy rows, or the coupled rule) 1..{K} per cycle from the running acceptance"
+        f"depth {job} in cycles with a row sampling under the residual rule (one depth per job); "
+        f"otherwise (greedy rows, or the coupled rule) 0..{K} per cycle from the running acceptance, "
+        f"starting {'at depth ' + str(greedy) if greedy else 'with speculation off'}"
     )
-    return AutoDepth(k, K, DepthController(costs, acceptance, K), record)
+    return AutoDepth(job, K, DepthController(costs, acceptance, K, start_off=greedy == 0), record)

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from .training.corpus import HELD_OUT_MODULES, held_out_examples, split_corpus, stdlib_root, stdlib_sources
-from .training.evaluate import held_out_loss, step_costs, teacher_forced_acceptance
+from .training.evaluate import held_out_loss, runtime_acceptance, step_costs, teacher_forced_acceptance
 from .training.export import export_checkpoint
 from .training.model import ModelShape, TinyMTP, count_parameters, initialize, release_config
 from .training.tokenizer import check_round_trip, encode_documents, save_tokenizer, train_bpe
@@ -114,7 +114,11 @@ def _measure(loaded, data, settings, eval_prompts, eval_new_tokens, measure_cost
     found = {"held_out": held_out_loss(loaded, data["held_stream"], seq_len=settings.seq_len)}
     prompts = [data["tokenize"](e.prompt) for e in data["examples"]][:eval_prompts]
     found["acceptance_teacher_forced"] = teacher_forced_acceptance(loaded, prompts, new_tokens=eval_new_tokens)
-    log(f"held-out: {found['held_out']}; acceptance: {found['acceptance_teacher_forced']}")
+    found["acceptance_runtime"] = {
+        name: runtime_acceptance(loaded, prompts, temperature=t, max_tokens=eval_new_tokens)
+        for name, t in (("greedy", 0.0), ("temperature_1", 1.0))
+    }
+    log(f"held-out: {found['held_out']}; acceptance: {found['acceptance_teacher_forced']}, runtime {found['acceptance_runtime']}")
     found["samples"] = _samples(loaded, data["examples"][:2])
     if measure_costs:
         found["step_costs_ms"] = step_costs(loaded)

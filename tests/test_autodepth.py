@@ -192,19 +192,42 @@ def test_rows_sampling_under_the_residual_rule_always_run_at_the_job_depth(predi
 
 
 def test_prior_is_the_checkpoints_recorded_acceptance_extended_geometrically(tmp_path):
-    from mtplx.autodepth import acceptance_prior, extend_geometrically
+    import shutil
 
-    assert extend_geometrically([0.8, 0.4], 4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
+    from mtplx.autodepth import acceptance_prior, extend_geometrically
     from mtplx.assets import default_model_path
 
+    assert extend_geometrically([0.8, 0.4], 4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
+    # The built-in model records the runtime's own acceptance, greedy and sampled, at depths 1-3.
     builtin = mtplx.load(default_model_path())
-    recorded = json.loads((builtin.path / "training.json").read_text())["acceptance_teacher_forced"]
-    prior = acceptance_prior(builtin, 3)
-    assert prior[:2] == pytest.approx([recorded["depth1"], recorded["depth2_cumulative"]])
+    recorded = json.loads((builtin.path / "training.json").read_text())
+    runtime = recorded["acceptance_runtime"]
+    assert acceptance_prior(builtin, 3) == pytest.approx(runtime["greedy"]["by_depth"])
+    assert acceptance_prior(builtin, 3, sampled=True) == pytest.approx(runtime["temperature_1"]["by_depth"])
+    assert acceptance_prior(builtin, 3, sampled=True) != acceptance_prior(builtin, 3)
+    # A record with the teacher-forced figure only: depths 1-2 from it, then geometric.
+    path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48)
+    teacher = {"acceptance_teacher_forced": recorded["acceptance_teacher_forced"]}
+    (path / "training.json").write_text(json.dumps(teacher))
+    older = mtplx.load(path)
+    prior = acceptance_prior(older, 3, sampled=True)
+    tf = recorded["acceptance_teacher_forced"]
+    assert prior[:2] == pytest.approx([tf["depth1"], tf["depth2_cumulative"]])
     assert prior[2] == pytest.approx(prior[1] ** 2 / prior[0])
     # A checkpoint without a record gets the cautious default.
-    plain = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    (path / "training.json").unlink()
+    plain = mtplx.load(path)
     assert acceptance_prior(plain, 3) == pytest.approx([0.5, 0.3, 0.18])
+
+
+def test_a_greedy_prior_that_does_not_pay_starts_the_controller_off():
+    costs = _costs(10.0, {1: 14.0, 2: 17.0, 3: 20.0}, 0.0)
+    greedy = [0.3, 0.1, 0.03]  # depth 1: 1.3 x 10 / 14 = 0.93
+    on = DepthController(costs, greedy, 3)
+    off = DepthController(costs, greedy, 3, start_off=True)
+    assert on.choose() > 0  # without start_off it speculates until min_rows have been seen
+    assert off.choose() == 0
+    assert off.choose() == 0
 
 
 def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):

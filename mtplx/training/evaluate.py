@@ -99,6 +99,31 @@ def teacher_forced_acceptance(model, prompts: Sequence[Sequence[int]], new_token
     }
 
 
+def runtime_acceptance(model, prompts: Sequence[Sequence[int]], temperature: float, depth: int = 3,
+                       max_tokens: int = 64, batch: int = 16, seed: int = 0) -> Dict:
+    """Cumulative acceptance by depth 1..`depth` of MTPLXRuntime itself
+    decoding `prompts` (token ids) at `temperature`: per depth i, the rows that
+    accepted d_1..d_i over the rows that drafted d_i. Unlike the teacher-forced
+    figure it includes what the runtime's own drafting loses (depth 2 and up
+    drafts from the head's own output) and, under sampling, the residual
+    rule's acceptance, which is what `depth="auto"` has to predict."""
+    from ..mtp_patch import MTPContract
+    from ..runtime import MTPLXRuntime
+    from ..sampling import SamplingParams
+
+    rt = MTPLXRuntime(model, MTPContract(depth=depth), max_batch=batch)
+    outs = rt.generate(list(prompts), sampling=SamplingParams(temperature=temperature), max_tokens=max_tokens, seed=seed)
+    drafted = np.sum([c.drafted_by_depth for c in outs], axis=0)  # [depth]
+    accepted = np.sum([c.accepted_by_depth for c in outs], axis=0)  # [depth]
+    return {
+        "by_depth": [round(float(a / d), 4) if d else None for a, d in zip(accepted, drafted)],
+        "temperature": temperature,
+        "row_cycles": int(sum(c.steps for c in outs)),
+        "prompts": len(outs),
+        "max_tokens": max_tokens,
+    }
+
+
 def _cost_row(times: Dict[str, List[float]], stat, verify_tokens) -> Dict[str, float]:
     row = {k: round(stat(v) * 1000, 3) for k, v in times.items()}
     row["head_over_trunk"] = round(row["head_1"] / row["trunk_1"], 3)
