@@ -184,7 +184,7 @@ class SlotBatch:
         for name in ("primary", "emitted", "max_tokens", "active", "cu_tokens", "cu_take", "cu_keep"):
             setattr(out, name, getattr(self, name)[idx])
         out.cu_hidden = None if self.cu_hidden is None else self.cu_hidden[idx]
-        out.sampling = None  # set by the runtime's next refill
+        out.sampling = None  # the runtime sets it for the rows it holds
         out._loads, out._released = [], set()
         return out
 
