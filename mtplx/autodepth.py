@@ -154,7 +154,7 @@ class DepthController:
         self.min_rows = min_rows
         self.retry_rows = retry_rows
         self.rows_seen = 0  # row-cycles since speculation last went on or off
-        self.off = start_off  # on when the prior is not predicted to pay
+        self.off = start_off  # off from the start when the prior does not pay
 
     def observe(self, accepted: np.ndarray, drafted: np.ndarray):
         """One cycle's active rows: accepted a_b and drafted (num_valid) counts."""
