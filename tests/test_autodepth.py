@@ -192,8 +192,6 @@ def test_rows_sampling_under_the_residual_rule_always_run_at_the_job_depth(predi
 
 
 def test_prior_is_the_checkpoints_recorded_acceptance_extended_geometrically(tmp_path):
-    import shutil
-
     from mtplx.autodepth import acceptance_prior, extend_geometrically
     from mtplx.assets import default_model_path
 
