@@ -6,9 +6,10 @@
         [--plot bench.png] [--quick]
 
 For every batch size B and temperature t, on the same prompts, the same
-max_tokens and the same trunk weights (`model.trunk` of the MTPLX-loaded
-model), it times:
-- the baseline, `mlx_lm.generate.batch_generate` with its decode batch = B;
+max_tokens and the same checkpoint, it times:
+- the baseline, `mlx_lm.generate.batch_generate` with its decode batch = B, on
+  the trunk as mlx-lm lays it out (`load(gemm_layout=False)`; MTPLX's own load
+  re-lays float32 dense weights for the CPU's GEMM, `mtplx.gemm_layout`);
 - MTPLX (`MTPLXRuntime(max_batch=B)`) at each depth, and at depth "auto".
 After one short warm-up of each, every configuration runs as alternating
 pairs (baseline, engine) x repeats, the repeats in rounds over all depths so a
@@ -164,19 +165,24 @@ def run_bench(
     log = _progress_printer(progress)
     path = Path(model_path) if model_path is not None else default_model_path()
     model = load(path)
+    # The baseline runs mlx-lm's trunk as mlx-lm lays it out; MTPLX's load
+    # re-lays dense weights for the CPU's GEMM (mtplx.gemm_layout).
+    reference = load(path, gemm_layout=False) if model.info.get("gemm_layout") else model
     texts, source = (list(prompts), "given") if prompts is not None else default_prompts()
     pool = encode_prompts(model.tokenizer, texts, plan.max_prompt_tokens)
     header = header_record(path, plan, len(pool), source)
     records = [header]
     for B in plan.batch_sizes:
-        records += bench_batch_size(model, plan, pool, B, log)
+        records += bench_batch_size(model, reference, plan, pool, B, log)
         mx.clear_cache()
+    header["mtplx_gemm_layout"] = bool(model.info.get("gemm_layout"))
     header["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return records
 
 
-def bench_batch_size(model, plan: BenchPlan, pool: List[List[int]], B: int, log) -> List[dict]:
-    """Bare costs, then every temperature x depth at batch size B."""
+def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B: int, log) -> List[dict]:
+    """Bare costs, then every temperature x depth at batch size B (`reference`:
+    the same checkpoint loaded for the mlx-lm baseline)."""
     from .costs import measure_bare_costs
     from .mtp_patch import MTPContract
     from .runtime import MTPLXRuntime
@@ -192,14 +198,14 @@ def bench_batch_size(model, plan: BenchPlan, pool: List[List[int]], B: int, log)
     runtimes = {d: MTPLXRuntime(model, MTPContract(depth=d), max_batch=B) for d in plan.depths}
     records = []
     for t in plan.temperatures:
-        records += bench_setting(model, runtimes, batch, B, t, costs, plan, log)
+        records += bench_setting(reference, runtimes, batch, B, t, costs, plan, log)
     return records
 
 
-def bench_setting(model, runtimes: Dict[Depth, object], batch, B: int, t: float, costs, plan: BenchPlan, log) -> List[dict]:
+def bench_setting(reference, runtimes: Dict[Depth, object], batch, B: int, t: float, costs, plan: BenchPlan, log) -> List[dict]:
     """Baseline and every depth at one (batch size, temperature)."""
     warmup = min(plan.max_tokens, WARMUP_TOKENS)
-    baseline = partial(run_baseline, model, batch, temperature=t, seed=plan.seed, batch_size=B)
+    baseline = partial(run_baseline, reference, batch, temperature=t, seed=plan.seed, batch_size=B)
     baseline(max_tokens=warmup)
     engines = {d: partial(run_engine, rt, batch, temperature=t, seed=plan.seed) for d, rt in runtimes.items()}
     for engine in engines.values():

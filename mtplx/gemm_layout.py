@@ -1,0 +1,47 @@
+"""Dense weights laid out for the CPU's GEMM.
+
+`nn.Linear` computes `x @ W.T` with W stored [out, in], so on the CPU backend
+every projection reaches BLAS as a transposed-B GEMM. OpenBLAS serves that
+(its "TN" case) with a small-matrix kernel only while out x rows <= 1200; at
+decode shapes past that (a verify over 2+ tokens at batch 4, the LM head at
+batch 4) it falls back to its general path, which packs (copies) the whole
+weight on every call. Measured on the built-in model at batch 4: a verify over
+2-4 tokens takes 1.5-2 ms longer that way (of 11-16 ms).
+
+Storing each weight as the transpose of a contiguous [in, out] array keeps its
+shape, name and values but makes `W.T` row-major, so the GEMM is "NN". Its
+kernels compute every output element with the same K-order whatever the
+number of rows, which on this build makes decoding batch-invariant: a row's
+logits are bit-identical at batch 1 and 16, and a verify over k+1 tokens is
+bit-identical to k+1 one-token steps (with [out, in] storage both differ by
+~1e-5). Against mlx-lm's own layout the logits move by ~1e-5.
+
+Only float32 `nn.Linear` weights on the CPU are re-laid: quantized and
+half-precision matmuls do not go through BLAS, and GPU GEMMs read the
+transposed layout natively.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def wants_gemm_layout() -> bool:
+    """Whether matmuls here run on the CPU backend (the only one re-laid for)."""
+    return mx.default_device() == mx.cpu
+
+
+def lay_out_for_cpu_gemm(*modules: nn.Module) -> int:
+    """Re-lay every float32 `nn.Linear` weight in `modules` in place as
+    (contiguous [in, out]).T; returns how many were re-laid. Doing it twice
+    changes nothing: the transpose of a re-laid weight is already contiguous."""
+    count = 0
+    for module in modules:
+        for _, m in module.named_modules():
+            if type(m) is nn.Linear and m.weight.dtype == mx.float32:
+                m.weight = mx.contiguous(m.weight.T).T  # [out, in], strides (1, out)
+                mx.eval(m.weight)  # one matrix at a time: the old buffer is freed as we go
+                count += 1
+    return count
+

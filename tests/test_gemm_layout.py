@@ -1,0 +1,67 @@
+"""Dense weights re-laid for the CPU's GEMM (mtplx.gemm_layout): the same
+values, and decoding that does not depend on batch size or verify width."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import mtplx
+from mtplx import MTPContract, MTPLXRuntime
+from mtplx.assets import default_model_path
+from mtplx.cache import make_slot_caches
+from mtplx.compiled import SlotPass
+from mtplx.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the layout is for the CPU backend")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mtplx.load(default_model_path())
+
+
+def test_relaid_weights_hold_the_file_values_and_compute_the_same_logits_closely(model):
+    plain = mtplx.load(default_model_path(), gemm_layout=False)
+    assert model.info["gemm_layout"] > 0 and "gemm_layout" not in plain.info
+    ours, theirs = dict(tree_flatten(model.trunk.parameters())), dict(tree_flatten(plain.trunk.parameters()))
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].shape == theirs[k].shape and mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+    tokens = mx.array([np.random.default_rng(0).integers(1, 500, 40).tolist()])
+    got, want = model.trunk(tokens), plain.trunk(tokens)
+    assert mx.abs(got - want).max().item() < 1e-4 * mx.abs(want).max().item()
+
+
+def _decode_logits(model, prompts, tokens, T):
+    """Logits of a pass over tokens[:, :T] after prefilling prompts [B, L]."""
+    caches = make_slot_caches(model.layer_kinds, len(prompts))
+    model.forward(mx.array(prompts), caches)
+    logits, _ = SlotPass(model.forward, keep_pending=T > 1)((mx.array(tokens)[:, :T],), caches, T=T)
+    return logits  # [B, T, V]
+
+
+def test_a_rows_decode_logits_are_bit_identical_at_any_batch_size_and_verify_width(model):
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(1, 500, (16, 12)).tolist()  # one length: no padding in the prefill
+    tokens = rng.integers(1, 500, (16, 4)).tolist()
+    alone = _decode_logits(model, prompts[:1], tokens[:1], 1)[0, 0]
+    for B in (1, 4, 16):
+        for T in (1, 2, 4):
+            got = _decode_logits(model, prompts[:B], tokens[:B], T)[0, 0]
+            assert mx.array_equal(got, alone).item(), f"batch {B}, verify width {T}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_decoding_emits_plain_decodings_tokens_and_logprobs_bit_for_bit(model, temperature):
+    prompts = ["def add(a, b):\n", "class Stack:\n    def push(self, x):\n", "import os\n\n"]
+    sp = SamplingParams(temperature=temperature)
+    runs = {
+        depth: MTPLXRuntime(model, MTPContract(depth=depth, acceptance="coupled"), max_batch=2).generate(
+            prompts, sampling=sp, max_tokens=24, seed=3, logprobs=True
+        )
+        for depth in (0, 2)
+    }
+    for plain, spec in zip(runs[0], runs[2]):
+        assert spec.tokens == plain.tokens
+        assert spec.logprobs == plain.logprobs  # floats compared exactly
+    assert sum(sum(c.accepted_by_depth) for c in runs[2]) > 0
