@@ -8,8 +8,9 @@
 For every batch size B and temperature t, on the same prompts, the same
 max_tokens and the same checkpoint, it times:
 - the baseline, `mlx_lm.generate.batch_generate` with its decode batch = B, on
-  the trunk as mlx-lm lays it out (`load(gemm_layout=False)`; MTPLX's own load
-  re-lays float32 dense weights for the CPU's GEMM, `mtplx.gemm_layout`);
+  a trunk loaded for it alone, in mlx-lm's layout (MTPLX's runtime re-lays
+  the float32 dense weights it decodes with for the CPU's GEMM, see
+  `mtplx.gemm_layout`);
 - MTPLX (`MTPLXRuntime(max_batch=B)`) at each depth, and at depth "auto".
 After one short warm-up of each, every configuration runs as alternating
 pairs (baseline, engine) x repeats, the repeats in rounds over all depths so a
@@ -165,9 +166,9 @@ def run_bench(
     log = _progress_printer(progress)
     path = Path(model_path) if model_path is not None else default_model_path()
     model = load(path)
-    # The baseline runs mlx-lm's trunk as mlx-lm lays it out; MTPLX's load
-    # re-lays dense weights for the CPU's GEMM (mtplx.gemm_layout).
-    reference = load(path, gemm_layout=False) if model.info.get("gemm_layout") else model
+    # The baseline gets its own load, in mlx-lm's layout: MTPLX's runtime
+    # re-lays the weights it decodes with for the CPU's GEMM (mtplx.gemm_layout).
+    reference = load(path)
     texts, source = (list(prompts), "given") if prompts is not None else default_prompts()
     pool = encode_prompts(model.tokenizer, texts, plan.max_prompt_tokens)
     header = header_record(path, plan, len(pool), source)
@@ -175,7 +176,7 @@ def run_bench(
     for B in plan.batch_sizes:
         records += bench_batch_size(model, reference, plan, pool, B, log)
         mx.clear_cache()
-    header["mtplx_gemm_layout"] = bool(model.info.get("gemm_layout"))
+    header["mtplx_gemm_layout"] = model.info.get("gemm_layout", 0)  # weights re-laid
     header["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return records
 

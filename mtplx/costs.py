@@ -21,6 +21,7 @@ import numpy as np
 
 from .cache import SlotKVCache, commit_gdn, make_slot_caches
 from .compiled import SlotPass, head_layer
+from .gemm_layout import lay_out_for_cpu_gemm
 
 
 @dataclass
@@ -102,6 +103,7 @@ def measure_bare_costs(
     between passes (what the predictions use) stay put. A verify includes the
     commit that selects each row's gated-delta state, as the runtime pays it.
     """
+    lay_out_for_cpu_gemm(model)  # the weights as the runtime decodes with them
     B = batch_size
     tokens = mx.zeros((B, max(depths, default=0) + 1), dtype=mx.int32)
 

@@ -14,11 +14,15 @@ kernels compute every output element with the same K-order whatever the
 number of rows, which on this build makes decoding batch-invariant: a row's
 logits are bit-identical at batch 1 and 16, and a verify over k+1 tokens is
 bit-identical to k+1 one-token steps (with [out, in] storage both differ by
-~1e-5). Against mlx-lm's own layout the logits move by ~1e-5.
+~1e-5). Against mlx-lm's own layout the logits move by 1e-6 to 1e-5.
 
 Only float32 `nn.Linear` weights on the CPU are re-laid: quantized and
 half-precision matmuls do not go through BLAS, and GPU GEMMs read the
 transposed layout natively.
+
+`mtplx.load` keeps the file layout, so a loaded trunk computes exactly what
+mlx-lm's load of the same directory computes; the runtime (and the cost
+measurements that plan for it) re-lay the model they decode with, once.
 """
 
 from __future__ import annotations
@@ -27,21 +31,23 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-def wants_gemm_layout() -> bool:
-    """Whether matmuls here run on the CPU backend (the only one re-laid for)."""
-    return mx.default_device() == mx.cpu
+def lay_out_for_cpu_gemm(model) -> int:
+    """Re-lay, in place and once, every float32 `nn.Linear` weight of an
+    MTPModel's trunk and head as (contiguous [in, out]).T, where MLX runs on
+    the CPU; records and returns the count in `model.info["gemm_layout"]`."""
+    if mx.default_device() != mx.cpu:
+        return 0
+    if "gemm_layout" not in model.info:
+        parts = [m for m in (model.trunk, model.head) if m is not None]
+        model.info["gemm_layout"] = sum(_relay_linears(m) for m in parts)
+    return model.info["gemm_layout"]
 
 
-def lay_out_for_cpu_gemm(*modules: nn.Module) -> int:
-    """Re-lay every float32 `nn.Linear` weight in `modules` in place as
-    (contiguous [in, out]).T; returns how many were re-laid. Doing it twice
-    changes nothing: the transpose of a re-laid weight is already contiguous."""
+def _relay_linears(module: nn.Module) -> int:
     count = 0
-    for module in modules:
-        for _, m in module.named_modules():
-            if type(m) is nn.Linear and m.weight.dtype == mx.float32:
-                m.weight = mx.contiguous(m.weight.T).T  # [out, in], strides (1, out)
-                mx.eval(m.weight)  # one matrix at a time: the old buffer is freed as we go
-                count += 1
+    for _, m in module.named_modules():
+        if type(m) is nn.Linear and m.weight.dtype == mx.float32:
+            m.weight = mx.contiguous(m.weight.T).T  # [out, in], strides (1, out)
+            mx.eval(m.weight)  # one matrix at a time: the old buffer is freed as we go
+            count += 1
     return count
-

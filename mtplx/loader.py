@@ -12,7 +12,6 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from .checkpoint import SIDECAR, load_tensors, read_config, shard_files, shard_shapes
-from .gemm_layout import lay_out_for_cpu_gemm, wants_gemm_layout
 from .mtp_patch import CheckpointError, FamilyAdapter, family_for
 
 
@@ -100,12 +99,8 @@ def open_checkpoint(path):
     return path, config, family, files, shard_shapes(files)
 
 
-def load(path, *, lazy: bool = False, gemm_layout: Optional[bool] = None) -> MTPModel:
-    """Load a checkpoint (HF layout or converted by `mtplx convert`) with its MTP head.
-
-    gemm_layout: re-lay float32 dense weights for the CPU's BLAS
-    (`mtplx.gemm_layout`); None does so where MLX runs on the CPU. A lazy
-    load keeps the file layout (it is for converting, not decoding)."""
+def load(path, *, lazy: bool = False) -> MTPModel:
+    """Load a checkpoint (HF layout or converted by `mtplx convert`) with its MTP head."""
     path, config, family, files, shapes = open_checkpoint(path)
     trunk = _load_trunk(path, family)
     tokenizer = _load_tokenizer(path, config)
@@ -114,8 +109,6 @@ def load(path, *, lazy: bool = False, gemm_layout: Optional[bool] = None) -> MTP
         mx.eval(trunk.parameters())
         if head is not None:
             mx.eval(head.parameters())
-        if gemm_layout if gemm_layout is not None else wants_gemm_layout():
-            info["gemm_layout"] = lay_out_for_cpu_gemm(*(m for m in (trunk, head) if m is not None))
     return MTPModel(trunk, head, tokenizer, config, family, path, info)
 
 

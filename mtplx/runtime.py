@@ -26,6 +26,7 @@ import numpy as np
 from .compiled import SlotPass, head_layer
 from .completion import Completion, Request, error_completion, find_stop_string
 from .decide import decide, draft_choice
+from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
 from .prefill import Prefilled, prefill_batch
@@ -45,6 +46,7 @@ class MTPLXRuntime:
     def __init__(self, model, contract: MTPContract = MTPContract(), max_batch: int = 8):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        lay_out_for_cpu_gemm(model)
         self.model = model
         self.contract = contract
         self.max_batch = max_batch

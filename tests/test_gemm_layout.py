@@ -11,6 +11,7 @@ from mtplx import MTPContract, MTPLXRuntime
 from mtplx.assets import default_model_path
 from mtplx.cache import make_slot_caches
 from mtplx.compiled import SlotPass
+from mtplx.gemm_layout import lay_out_for_cpu_gemm
 from mtplx.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the layout is for the CPU backend")
@@ -18,17 +19,27 @@ pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the layou
 
 @pytest.fixture(scope="module")
 def model():
-    return mtplx.load(default_model_path())
+    model = mtplx.load(default_model_path())
+    MTPLXRuntime(model)  # a runtime re-lays the weights it decodes with
+    return model
 
 
-def test_relaid_weights_hold_the_file_values_and_compute_the_same_logits_closely(model):
-    plain = mtplx.load(default_model_path(), gemm_layout=False)
-    assert model.info["gemm_layout"] > 0 and "gemm_layout" not in plain.info
-    ours, theirs = dict(tree_flatten(model.trunk.parameters())), dict(tree_flatten(plain.trunk.parameters()))
-    assert ours.keys() == theirs.keys()
-    assert all(ours[k].shape == theirs[k].shape and mx.array_equal(ours[k], theirs[k]).item() for k in ours)
-    tokens = mx.array([np.random.default_rng(0).integers(1, 500, 40).tolist()])
-    got, want = model.trunk(tokens), plain.trunk(tokens)
+def test_load_keeps_mlx_lms_layout_and_a_runtime_relays_the_same_values_once():
+    import mlx_lm
+
+    loaded = mtplx.load(default_model_path())
+    reference, _ = mlx_lm.load(str(default_model_path()))
+    tokens = mx.array([np.random.default_rng(0).integers(1, 500, 5).tolist()])
+    assert "gemm_layout" not in loaded.info
+    assert mx.array_equal(loaded.trunk(tokens), reference(tokens)).item()
+    before = dict(tree_flatten(loaded.trunk.parameters()))
+    MTPLXRuntime(loaded)
+    count = loaded.info["gemm_layout"]
+    assert count > 0 and lay_out_for_cpu_gemm(loaded) == count
+    after = dict(tree_flatten(loaded.trunk.parameters()))
+    assert after.keys() == before.keys()
+    assert all(after[k].shape == before[k].shape and mx.array_equal(after[k], before[k]).item() for k in after)
+    got, want = loaded.trunk(tokens), reference(tokens)
     assert mx.abs(got - want).max().item() < 1e-4 * mx.abs(want).max().item()
 
 
