@@ -124,6 +124,9 @@ class MTPLXRuntime:
             # flight, so reading overlaps with device compute. (On the CPU
             # backend mx.async_eval returns only near the end of the cycle it
             # starts, so graph building does not overlap there.)
+            if inflight is not None and self._may_end_rows(inflight):
+                yield from self._collect(batch, inflight)
+                inflight = None
             yield from self._refill(batch, waiting, seed, in_flight=int(inflight is not None))
             if self._should_shrink(batch, waiting):
                 if inflight is not None:  # slots move: read the cycle in flight first
@@ -166,6 +169,13 @@ class MTPLXRuntime:
     @staticmethod
     def _set_sampling(batch: SlotBatch):
         batch.sampling = batch_sampling([r.req.sampling if r is not None else SamplingParams() for r in batch.rows])
+
+    def _may_end_rows(self, inf: "_InFlight") -> bool:
+        """Whether the cycle in flight can take a row to its max_tokens. Then
+        it is read before the next launch: launched behind it, the next cycle
+        would compute that row's slot for nothing (and, for the batch's last
+        rows, a whole cycle) instead of refilling or shrinking first."""
+        return any(r is not None and len(r.tokens) + inf.depth + 1 >= r.req.max_tokens for r in inf.rows)
 
     def _should_shrink(self, batch: SlotBatch, waiting: "_Samples") -> bool:
         """Once nothing waits, rows left over run in a smaller batch (a cycle
@@ -282,7 +292,7 @@ class MTPLXRuntime:
         seconds = time.perf_counter() - t0
         self.stats["decode_seconds"] += seconds
         self.launch_seconds.append(seconds)
-        return _InFlight(rows, accepted, emitted_ids, d.num_valid, d.bad, d.logprobs)
+        return _InFlight(rows, k, accepted, emitted_ids, d.num_valid, d.bad, d.logprobs)
 
     def _head_catch_up(self, batch: SlotBatch, span: int):
         """Write each row's pending verified pairs into every head layer; keep
@@ -408,6 +418,7 @@ class _InFlight:
     """A launched cycle: the rows it ran for and its device outputs."""
 
     rows: list
+    depth: int
     accepted: mx.array  # [B]
     emitted_ids: mx.array  # [B, k+1]
     nv: mx.array  # [B]
