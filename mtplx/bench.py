@@ -122,6 +122,7 @@ class Run:
     seconds: float
     prefill_seconds: float
     completions: list = field(default_factory=list)
+    cycles: int = 0  # MTPLX's decode cycles (each over the whole batch)
 
     @property
     def tokens_per_s(self) -> float:
@@ -262,14 +263,15 @@ def run_baseline(model, prompts: List[List[int]], max_tokens: int, temperature: 
 def run_engine(rt, prompts: List[List[int]], max_tokens: int, temperature: float, seed: int) -> Run:
     from .sampling import SamplingParams
 
-    prefill_before = rt.stats["prefill_seconds"]
+    prefill_before, cycles_before = rt.stats["prefill_seconds"], rt.stats["cycles"]
     t0 = time.perf_counter()
     outs = rt.generate(prompts, sampling=SamplingParams(temperature=temperature), max_tokens=max_tokens, seed=seed)
     seconds = time.perf_counter() - t0
     errors = [c.error for c in outs if c.finish_reason == "error"]
     if errors:  # a timing over failed rows would compare different work
         raise RuntimeError(f"MTPLX failed {len(errors)} of {len(outs)} bench rows; first: {errors[0]}")
-    return Run(sum(len(c.tokens) for c in outs), seconds, rt.stats["prefill_seconds"] - prefill_before, outs)
+    prefill = rt.stats["prefill_seconds"] - prefill_before
+    return Run(sum(len(c.tokens) for c in outs), seconds, prefill, outs, rt.stats["cycles"] - cycles_before)
 
 
 # ------------------------------------------------------------------ records
@@ -280,6 +282,11 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
     ratios = paired_ratios([(b.tokens_per_s, e.tokens_per_s) for b, e in pairs])
     completions = [c for run in engine_runs for c in run.completions]
     acc = acceptance_summary(completions, rt.depth)
+    # Rows live per cycle: below B where rows of one batch end at different
+    # cycles. predicted_speedup counts each row's own cycles, so this is the
+    # share of it a batch that ends raggedly can reach (shrinking aside).
+    batch_cycles = sum(e.cycles for e in engine_runs)
+    acc["rows_per_cycle"] = acc["row_cycles"] / batch_cycles if batch_cycles else None
     auto = rt.stats.get("auto_depth")
     # Under "auto" cycles may run at several depths: the prediction uses their mix.
     mix = {int(k): n for k, n in auto["cycles_by_depth"].items() if n} if auto else {rt.depth: 1}

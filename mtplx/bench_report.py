@@ -21,6 +21,7 @@ COLUMNS = (
     ("meas", 6, lambda r: _num(r["measured_speedup"], ".2f")),
     ("meas dec", 8, lambda r: _num(r.get("measured_decode_speedup"), ".2f")),
     ("dec/pred", 8, lambda r: _num(_efficiency(r), ".2f")),
+    ("rows/cyc", 8, lambda r: _num(r.get("rows_per_cycle"), ".2f")),
 )
 
 
@@ -39,7 +40,8 @@ def format_table(records: Sequence[dict]) -> str:
         "vs mlx-lm: median of paired ratios (engine tok/s / adjacent mlx-lm run's) [min, max of them]; "
         "decode vs: the same outside prompt processing; prefill: its share of the wall time.",
         "ideal: 1 + accepted drafts per cycle; pred: ideal x step / (verify + k head), from the bare costs; "
-        "meas / meas dec: tok/s over MTPLX depth 0, wall / decode only; dec/pred: meas dec / pred.",
+        "meas / meas dec: tok/s over MTPLX depth 0, wall / decode only; dec/pred: meas dec / pred; "
+        "rows/cyc: rows decoded per cycle (B while the batch is full).",
     ]
     return "\n".join(lines)
 

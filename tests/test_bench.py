@@ -243,6 +243,7 @@ def test_tiny_run_mtplx_records_follow_the_schema_and_formulas(tiny_records):
         cycle = sum(n * cycle_of(d) for d, n in mix.items()) / sum(mix.values())
         assert r["predicted_speedup"] == pytest.approx(r["ideal_tokens_per_cycle"] * c["step_s"] / cycle)
         assert r["ideal_tokens_per_cycle"] >= 1.0
+        assert 0 < r["rows_per_cycle"] <= r["batch_size"]  # batch 2 runs 2 prompts at once
         if r["depth"] == 0:
             assert r["measured_speedup"] == pytest.approx(1.0)
 
