@@ -12,11 +12,16 @@ max_tokens and the same checkpoint, it times:
   the float32 dense weights it decodes with for the CPU's GEMM, see
   `mtplx.gemm_layout`);
 - MTPLX (`MTPLXRuntime(max_batch=B)`) at each depth, and at depth "auto".
-After one short warm-up of each, every configuration runs as alternating
-pairs (baseline, engine) x repeats, the repeats in rounds over all depths so a
-slow spell does not land on one depth alone. Absolute times on a shared machine drift,
-so the comparison is the median of the paired ratios (engine tok/s / the
-adjacent baseline's tok/s), with their min and max as the spread.
+After one short warm-up of each, the runs go in rounds (`repeats` of them):
+a round runs the baseline once, then MTPLX at every depth, in an order that
+rotates from round to round, so a slow spell does not land on one depth
+alone and every depth runs as often right after the baseline. Absolute times
+on a shared machine drift, so the comparison is the median of the paired
+ratios (an engine run's tok/s / its round's baseline run's), with their min
+and max as the spread. One baseline run per round rather than one before
+every engine run buys five rounds for the time three took: on this 2-core VM
+a run now and then takes 20-50% longer, and a median of three let one such
+run move a setting's figure.
 
 tokens/s = generated tokens / wall seconds of the whole `generate` call, prefill
 included, for both engines; tokens are counted from each engine's outputs, so
@@ -33,7 +38,7 @@ By default one run is one full batch: B prompts at batch size B. `--prompts N`
 runs N prompts at every batch size instead (continuous batching in both).
 
 `--quick` is what `make bench` runs (QUICK below): batch sizes 1,4,16, depths
-0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, 3 repeats, prompts clipped
+0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, 5 rounds, prompts clipped
 to their last 128 tokens.
 """
 
@@ -58,7 +63,7 @@ Depth = Union[int, str]
 # (which speculation does not speed up) stays a minority of the wall time.
 QUICK = dict(
     batch_sizes=(1, 4, 16), depths=(0, 1, 2, 3, "auto"), temperatures=(0.0, 1.0),
-    max_tokens=64, repeats=3, max_prompt_tokens=128,
+    max_tokens=64, repeats=5, max_prompt_tokens=128,
 )
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
 
@@ -145,7 +150,7 @@ def run_bench(
     temperatures: Sequence[float] = (0.0, 1.0),
     max_tokens: int = 128,
     num_prompts: Optional[int] = None,
-    repeats: int = 3,
+    repeats: int = 5,
     prompts: Optional[Sequence[Union[str, Sequence[int]]]] = None,
     seed: int = 0,
     progress: bool = True,
@@ -213,15 +218,17 @@ def bench_setting(reference, runtimes: Dict[Depth, object], batch, B: int, t: fl
     for engine in engines.values():
         engine(max_tokens=warmup)
     # Rounds go over every depth in turn, so a slow spell of the machine hits
-    # all depths alike instead of one depth's whole series.
+    # all depths alike instead of one depth's whole series; the order rotates.
     pairs: Dict[Depth, List[Tuple[Run, Run]]] = {d: [] for d in runtimes}
-    for _ in range(plan.repeats):
-        for d, engine in engines.items():
-            pairs[d].append((baseline(max_tokens=plan.max_tokens), engine(max_tokens=plan.max_tokens)))
     base_runs: List[Run] = []
+    order = list(engines)
+    for r in range(plan.repeats):
+        base = baseline(max_tokens=plan.max_tokens)
+        base_runs.append(base)
+        for d in order[r % len(order):] + order[: r % len(order)]:
+            pairs[d].append((base, engines[d](max_tokens=plan.max_tokens)))
     records = []
     for d, rt in runtimes.items():
-        base_runs += [b for b, _ in pairs[d]]
         rec = mtplx_record(rt, d, B, t, pairs[d], costs, plan)
         lo, hi = rec["ratio_spread"]
         log(

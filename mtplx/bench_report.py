@@ -37,7 +37,7 @@ def format_table(records: Sequence[dict]) -> str:
     lines += [
         "",
         "tok/s: generated tokens / wall seconds of the generate call, prefill included (median of runs).",
-        "vs mlx-lm: median of paired ratios (engine tok/s / adjacent mlx-lm run's) [min, max of them]; "
+        "vs mlx-lm: median of paired ratios (engine tok/s / the mlx-lm run of its round) [min, max of them]; "
         "decode vs: the same outside prompt processing; prefill: its share of the wall time.",
         "ideal: 1 + accepted drafts per cycle; pred: ideal x step / (verify + k head), from the bare costs; "
         "meas / meas dec: tok/s over MTPLX depth 0, wall / decode only; dec/pred: meas dec / pred; "

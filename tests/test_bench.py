@@ -138,7 +138,7 @@ def test_plan_rejects_bad_depths_and_sizes():
 def test_quick_flag_gives_make_bench_settings_and_flags_override_it():
     s = settings_from_args(parse_args(["--output", "x.json", "--quick", "--max-tokens", "32"]))
     assert s["batch_sizes"] == (1, 4, 16) and s["depths"] == (0, 1, 2, 3, "auto")
-    assert s["max_tokens"] == 32 and s["repeats"] == 3 and s["max_prompt_tokens"] == 128
+    assert s["max_tokens"] == 32 and s["repeats"] == 5 and s["max_prompt_tokens"] == 128
     plain = settings_from_args(parse_args(["--output", "x.json", "--depths", "0,auto"]))
     assert plain["depths"] == (0, "auto") and "batch_sizes" not in plain  # run_bench's default
 
@@ -152,9 +152,9 @@ class _FakeRuntime:
         self.stats = {}
 
 
-def test_runs_alternate_baseline_and_engine_in_rounds_over_depths_after_a_warm_up(monkeypatch):
+def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_after_a_warm_up(monkeypatch):
     calls = []
-    speeds = iter([50, 60, 100, 110, 10, 12, 100, 130, 5, 6])  # tok/s of successive timed calls
+    speeds = iter([50, 60, 100, 10, 130, 12, 5, 6, 7])  # tok/s of successive timed calls
 
     def fake_baseline(model, prompts, max_tokens, temperature, seed, batch_size):
         n = max_tokens
@@ -175,17 +175,17 @@ def test_runs_alternate_baseline_and_engine_in_rounds_over_depths_after_a_warm_u
     recs = bench.bench_setting(None, {0: _FakeRuntime(0), 1: _FakeRuntime(1)}, [[1, 2]], 1, 0.0, costs, plan, lambda s: None)
     assert calls == [
         ("mlx_lm", 4), (0, 4), (1, 4),
-        ("mlx_lm", 8), (0, 8), ("mlx_lm", 8), (1, 8),  # round 1
-        ("mlx_lm", 8), (0, 8), ("mlx_lm", 8), (1, 8),  # round 2
+        ("mlx_lm", 8), (0, 8), (1, 8),  # round 1
+        ("mlx_lm", 8), (1, 8), (0, 8),  # round 2: the order rotates
     ]
     base, d0, d1 = recs
-    assert base["engine"] == "mlx_lm" and base["runs"] == 4
-    assert base["tokens_per_s"] == pytest.approx(statistics.median([50, 100, 10, 100]))
+    assert base["engine"] == "mlx_lm" and base["runs"] == 2
+    assert base["tokens_per_s"] == pytest.approx(statistics.median([50, 10]))
+    # each engine run is paired with its round's baseline run
     assert d0["paired_ratios"] == pytest.approx([60 / 50, 12 / 10])
-    assert d1["paired_ratios"] == pytest.approx([110 / 100, 130 / 100])
-    # engine runs of the two rounds: depth 0 at 60 and 12 tok/s, depth 1 at 110 and 130
-    assert d0["run_tokens_per_s"] == pytest.approx([60, 12]) and d1["run_tokens_per_s"] == pytest.approx([110, 130])
-    assert d1["measured_speedup"] == pytest.approx(statistics.median([110 / 60, 130 / 12]))
+    assert d1["paired_ratios"] == pytest.approx([100 / 50, 130 / 10])
+    assert d0["run_tokens_per_s"] == pytest.approx([60, 12]) and d1["run_tokens_per_s"] == pytest.approx([100, 130])
+    assert d1["measured_speedup"] == pytest.approx(statistics.median([100 / 60, 130 / 12]))
 
 
 # ------------------------------------------------------------ a real tiny run
