@@ -1,10 +1,12 @@
 """Dense weights laid out for the CPU's GEMM.
 
 `nn.Linear` computes `x @ W.T` with W stored [out, in], so on the CPU backend
-every projection reaches BLAS as a transposed-B GEMM. OpenBLAS serves that
-(its "TN" case) with a small-matrix kernel only while out x rows <= 1200; at
-decode shapes past that (a verify over 2+ tokens at batch 4, the LM head at
-batch 4) it falls back to its general path, which packs (copies) the whole
+every projection reaches BLAS as a transposed-B GEMM. OpenBLAS's small-matrix
+kernels (SkylakeX/Cooperlake builds, this machine's) refuse that "TN" case
+once the output has more than 1200 cells (out x rows) or K < 32, where the
+"NN" case is refused only above M x N x K = 1e6 (its `gemm_small_kernel_permit`).
+At decode shapes past 1200 cells (a verify over 2+ tokens at batch 4, the LM
+head at batch 4) the general path runs, which packs (copies) the whole
 weight on every call. Measured on the built-in model at batch 4: a verify over
 2-4 tokens takes 1.5-2 ms longer that way (of 11-16 ms).
 
