@@ -11,12 +11,16 @@ weight on every call. Measured on the built-in model at batch 4: a verify over
 2-4 tokens takes 1.5-2 ms longer that way (of 11-16 ms).
 
 Storing each weight as the transpose of a contiguous [in, out] array keeps its
-shape, name and values but makes `W.T` row-major, so the GEMM is "NN". Its
-kernels compute every output element with the same K-order whatever the
-number of rows, which on this build makes decoding batch-invariant: a row's
-logits are bit-identical at batch 1 and 16, and a verify over k+1 tokens is
-bit-identical to k+1 one-token steps (with [out, in] storage both differ by
-~1e-5). Against mlx-lm's own layout the logits move by 1e-6 to 1e-5.
+shape, name and values but makes `W.T` row-major, so the GEMM is "NN". With
+the SkylakeX-family kernels (this machine's) an NN product computes each
+output element the same way whatever the number of rows, which makes
+decoding batch-invariant: a row's logits are bit-identical at batch 1 and
+16, and a verify over k+1 tokens is bit-identical to k+1 one-token steps
+(with [out, in] storage both differ by ~1e-5). OpenBLAS's Haswell/Zen
+kernels (AVX2-only CPUs) have no small-matrix path at all and send a one-row
+product elsewhere: there the re-layout neither helps nor hurts measurably,
+and batch 1 stays ~1e-6 off. Against mlx-lm's own layout the logits move by
+1e-6 to 1e-5.
 
 Only float32 `nn.Linear` weights on the CPU are re-laid: quantized and
 half-precision matmuls do not go through BLAS, and GPU GEMMs read the

@@ -43,6 +43,26 @@ def test_load_keeps_mlx_lms_layout_and_a_runtime_relays_the_same_values_once():
     assert mx.abs(got - want).max().item() < 1e-4 * mx.abs(want).max().item()
 
 
+def _blas_gemm_is_row_invariant() -> bool:
+    """Whether this BLAS computes a row of x @ W (W re-laid) the same way
+    whatever the number of rows, at the shapes the built-in model decodes
+    with. OpenBLAS's SkylakeX-family kernels do; its Haswell/Zen kernels
+    (AVX2-only CPUs) send a one-row product down a different path, ~1e-6 off."""
+    rng = np.random.default_rng(2)
+    for n_in, n_out in ((96, 512), (288, 96)):
+        w = mx.contiguous(mx.array(rng.standard_normal((n_in, n_out)), dtype=mx.float32)).T  # [out, in], re-laid
+        x = mx.array(rng.standard_normal((64, n_in)), dtype=mx.float32)
+        one = x[:1] @ w.T
+        if not all(mx.array_equal((x[:rows] @ w.T)[:1], one).item() for rows in (2, 4, 8, 16, 64)):
+            return False
+    return True
+
+
+bit_exact_blas = pytest.mark.skipif(
+    not _blas_gemm_is_row_invariant(), reason="this BLAS's GEMM result for a row depends on the number of rows"
+)
+
+
 def _decode_logits(model, prompts, tokens, T):
     """Logits of a pass over tokens[:, :T] after prefilling prompts [B, L]."""
     caches = make_slot_caches(model.layer_kinds, len(prompts))
@@ -51,6 +71,7 @@ def _decode_logits(model, prompts, tokens, T):
     return logits  # [B, T, V]
 
 
+@bit_exact_blas
 def test_a_rows_decode_logits_are_bit_identical_at_any_batch_size_and_verify_width(model):
     rng = np.random.default_rng(1)
     prompts = rng.integers(1, 500, (16, 12)).tolist()  # one length: no padding in the prefill
@@ -62,6 +83,7 @@ def test_a_rows_decode_logits_are_bit_identical_at_any_batch_size_and_verify_wid
             assert mx.array_equal(got, alone).item(), f"batch {B}, verify width {T}"
 
 
+@bit_exact_blas
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_speculative_decoding_emits_plain_decodings_tokens_and_logprobs_bit_for_bit(model, temperature):
     prompts = ["def add(a, b):\n", "class Stack:\n    def push(self, x):\n", "import os\n\n"]
