@@ -91,9 +91,10 @@ SPECULATION_MARGIN = 1.1
 DEPTH_TOLERANCE = 1.03
 
 
-# Interleaved rounds of the bare passes timed at calibration, the fastest
-# kept: with 7, one calibration in a slow spell of this VM got a verify cost
-# shape flat enough to make depth 2 look 48% faster at batch 4.
+# Interleaved rounds of the bare passes timed at calibration (the step's
+# fastest anchors same-round ratios). With 7 rounds, each pass's fastest
+# kept, one calibration in a slow spell of this VM got a verify cost shape
+# flat enough to make depth 2 look 48% faster at batch 4.
 BARE_ROUNDS = 15
 
 

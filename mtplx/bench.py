@@ -198,7 +198,7 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     context = round(statistics.mean(len(p) for p in batch) + plan.max_tokens / 2)
     max_auto = MTPContract(depth="auto").max_depth_auto
     log(f"batch {B}: bare costs at context {context}")
-    # 21 interleaved rounds, fastest kept: on a shared 2-core VM fewer rounds
+    # 21 interleaved rounds (the step's fastest anchors the rest): on a shared 2-core VM fewer rounds
     # left the one-token step 25% slow in one bench, which inflates every prediction.
     costs = measure_bare_costs(model, B, depths=plan.cost_depths(max_auto), context=context, repeats=BARE_COST_ROUNDS)
     # Built once per batch size: "auto" calibrates (times its own cycles) when built.

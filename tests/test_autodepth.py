@@ -252,6 +252,9 @@ def test_cycle_costs_are_depth0s_fastest_round_times_each_depths_median_same_rou
     assert out[2] == pytest.approx(10.0 * 1.8)  # round 1 has no time: ratios 1.8, 1.8
     # Without depth 0 there is nothing to anchor to: the fastest round.
     assert _anchored_to_depth0({1: [3.0, 2.0]}) == {1: 2.0}
+    # The bare passes anchor to the one-token step the same way.
+    bare = _anchored_to_depth0({"step": [10.0, 20.0, 11.0], 1: [15.0, 31.0, 30.0]}, anchor="step")
+    assert bare["step"] == 10.0 and bare[1] == pytest.approx(10.0 * 1.55)
 
 
 def test_with_bare_costs_the_shape_across_depths_is_theirs_and_the_overhead_is_pooled():
