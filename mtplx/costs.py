@@ -186,7 +186,7 @@ def measure_cycle_costs(
     if bare is not None and 0 in times:
         seconds, overhead = _shaped_by_bare(times, bare)
         return CycleCosts(batch_size, seconds, overhead)
-    return CycleCosts(batch_size, _anchored_to_depth0(times))
+    return CycleCosts(batch_size, _anchored_to(times))
 
 
 def _shaped_by_bare(times: Dict[int, list], bare: BareCosts):
@@ -213,10 +213,10 @@ def _shaped_by_bare(times: Dict[int, list], bare: BareCosts):
     return seconds, overhead
 
 
-def _anchored_to_depth0(times: Dict, anchor=0) -> Dict:
-    """Per entry, the anchor's (depth 0's) fastest round x the median of the
-    entry's same-round ratios to the anchor (rounds without a time skipped);
-    without the anchor, the fastest round."""
+def _anchored_to(times: Dict, anchor=0) -> Dict:
+    """Per entry, the anchor's fastest round (depth 0's, or the bare step's)
+    x the median of the entry's same-round ratios to the anchor (rounds
+    without a time skipped); without the anchor, the fastest round."""
 
     def fastest(ts):
         ts = [t for t in ts if not math.isnan(t)]
@@ -243,7 +243,7 @@ def _step_anchored_rounds(passes: dict, repeats: int, burst: int = 4) -> dict:
     here, verify k=1 over the step spread 1.155-1.301 that way and
     1.164-1.253 as same-round ratios (k=2: 1.280-1.581 and 1.280-1.451)."""
     times = interleaved_times(passes, repeats, burst=burst, warmups=2)
-    return _anchored_to_depth0(times, anchor="step")
+    return _anchored_to(times, anchor="step")
 
 
 def interleaved_times(fns: dict, repeats: int, burst: int = 1, warmups: int = 1) -> Dict[str, list]:

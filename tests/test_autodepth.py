@@ -241,19 +241,19 @@ def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):
 
 
 def test_cycle_costs_are_depth0s_fastest_round_times_each_depths_median_same_round_ratio():
-    from mtplx.costs import _anchored_to_depth0
+    from mtplx.costs import _anchored_to
 
     nan = float("nan")
     # Round 2 was a slow spell for every depth; round 3 stalled depth 1 alone.
     times = {0: [10.0, 20.0, 11.0], 1: [15.0, 31.0, 30.0], 2: [nan, 36.0, 19.8]}
-    out = _anchored_to_depth0(times)
+    out = _anchored_to(times)
     assert out[0] == 10.0
     assert out[1] == pytest.approx(10.0 * 1.55)  # ratios 1.5, 1.55, 2.73 -> median 1.55
     assert out[2] == pytest.approx(10.0 * 1.8)  # round 1 has no time: ratios 1.8, 1.8
     # Without depth 0 there is nothing to anchor to: the fastest round.
-    assert _anchored_to_depth0({1: [3.0, 2.0]}) == {1: 2.0}
+    assert _anchored_to({1: [3.0, 2.0]}) == {1: 2.0}
     # The bare passes anchor to the one-token step the same way.
-    bare = _anchored_to_depth0({"step": [10.0, 20.0, 11.0], 1: [15.0, 31.0, 30.0]}, anchor="step")
+    bare = _anchored_to({"step": [10.0, 20.0, 11.0], 1: [15.0, 31.0, 30.0]}, anchor="step")
     assert bare["step"] == 10.0 and bare[1] == pytest.approx(10.0 * 1.55)
 
 
