@@ -208,7 +208,7 @@ def _shaped_by_bare(times: Dict[int, list], bare: BareCosts):
         if not (math.isnan(t) or math.isnan(t0))
     ]
     overhead = float(np.median(rel)) if rel else 1.0
-    base = min((t for t in times[0] if not math.isnan(t)), default=float("inf"))
+    base = _fastest(times[0])
     seconds = {k: base if k == 0 else base * overhead * bare.cycle_s(k) / bare.step_s for k in times}
     return seconds, overhead
 
@@ -217,19 +217,19 @@ def _anchored_to(times: Dict, anchor=0) -> Dict:
     """Per entry, the anchor's fastest round (depth 0's, or the bare step's)
     x the median of the entry's same-round ratios to the anchor (rounds
     without a time skipped); without the anchor, the fastest round."""
-
-    def fastest(ts):
-        ts = [t for t in ts if not math.isnan(t)]
-        return min(ts) if ts else float("inf")
-
     if anchor not in times:
-        return {k: fastest(ts) for k, ts in times.items()}
-    base = fastest(times[anchor])
+        return {k: _fastest(ts) for k, ts in times.items()}
+    base = _fastest(times[anchor])
     out = {}
     for k, ts in times.items():
         ratios = [t / t0 for t, t0 in zip(ts, times[anchor]) if not (math.isnan(t) or math.isnan(t0))]
-        out[k] = base * float(np.median(ratios)) if ratios else fastest(ts)
+        out[k] = base * float(np.median(ratios)) if ratios else _fastest(ts)
     return out
+
+
+def _fastest(ts) -> float:
+    """The fastest round with a time (inf when none has one)."""
+    return min((t for t in ts if not math.isnan(t)), default=float("inf"))
 
 
 def _step_anchored_rounds(passes: dict, repeats: int, burst: int = 4) -> dict:

@@ -107,18 +107,18 @@ def runtime_acceptance(model, prompts: Sequence[Sequence[int]], temperature: flo
     figure it includes what the runtime's own drafting loses (depth 2 and up
     drafts from the head's own output) and, under sampling, the residual
     rule's acceptance, which is what `depth="auto"` has to predict."""
+    from ..bench import acceptance_summary
     from ..mtp_patch import MTPContract
     from ..runtime import MTPLXRuntime
     from ..sampling import SamplingParams
 
     rt = MTPLXRuntime(model, MTPContract(depth=depth), max_batch=batch)
     outs = rt.generate(list(prompts), sampling=SamplingParams(temperature=temperature), max_tokens=max_tokens, seed=seed)
-    drafted = np.sum([c.drafted_by_depth for c in outs], axis=0)  # [depth]
-    accepted = np.sum([c.accepted_by_depth for c in outs], axis=0)  # [depth]
+    acc = acceptance_summary(outs, depth)  # DESIGN "Metrics", as the bench reports it
     return {
-        "by_depth": [round(float(a / d), 4) if d else None for a, d in zip(accepted, drafted)],
+        "by_depth": [None if a is None else round(a, 4) for a in acc["acceptance_by_depth"]],
         "temperature": temperature,
-        "row_cycles": int(sum(c.steps for c in outs)),
+        "row_cycles": acc["row_cycles"],
         "prompts": len(outs),
         "max_tokens": max_tokens,
     }
