@@ -105,6 +105,10 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
     try:
         _stream(job, engine, state, writer, progress)
         writer.flush()
+        progress.close()
+        run = throughput(engine.stats, time.monotonic() - started, writer.rows_written, progress.tokens)
+        run["startup_seconds"] = t0 - started  # validation, resume scan, model load
+        return _finish_holding_signals(job, out, run, {**engine.settings, "stats": engine.stats}, stopper)
     except JobInterrupted as e:
         writer.flush_now()
         progress.close()
@@ -116,9 +120,19 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
     finally:
         stopper.restore()
         progress.close()
-    run = throughput(engine.stats, time.monotonic() - started, writer.rows_written, progress.tokens)
-    run["startup_seconds"] = t0 - started  # validation, resume scan, model load
-    return finish_job(job, out, run, {**engine.settings, "stats": engine.stats})
+
+
+def _finish_holding_signals(job: Prepared, out: Path, run: dict, runtime: dict, stopper: Stopper) -> RunResult:
+    """Every row is written: a signal now waits for summary.json, then still
+    gives 128 + signal, so whoever sent it sees that it was acted on."""
+    result = None
+    try:
+        with stopper.critical():
+            result = finish_job(job, out, run, runtime)
+    except JobInterrupted as e:
+        msg = f"interrupted by {e} after the last row: the output and {SUMMARY} are complete"
+        return RunResult(128 + e.signum, result.summary, result.report, result.warnings + [msg])
+    return result
 
 
 def finish_job(job: Prepared, out: Path, run: dict, runtime: dict) -> RunResult:

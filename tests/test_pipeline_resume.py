@@ -16,10 +16,10 @@ ROWS = 64
 MAX_DIFF = 0.01  # batch-shape float noise may flip a near-tie; zero is the aim
 
 
-def make_inputs(tmp_path):
+def make_inputs(tmp_path, rows=ROWS):
     words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
-    prompts = [" ".join(words[(i + j) % 8] for j in range(1 + i % 9)) + f" {i}" for i in range(ROWS)]
-    return write_parquet(tmp_path / "in.parquet", id=[f"r{i}" for i in range(ROWS)], prompt=prompts)
+    prompts = [" ".join(words[(i + j) % 8] for j in range(1 + i % 9)) + f" {i}" for i in range(rows)]
+    return write_parquet(tmp_path / "in.parquet", id=[f"r{i}" for i in range(rows)], prompt=prompts)
 
 
 def job_spec(tmp_path, model, inp, out, sampling: str, n: int, name: str):
@@ -101,7 +101,11 @@ def test_kill_9_at_random_points_then_rerun_equals_an_uninterrupted_run(tmp_path
 
 
 def test_sigterm_saves_finished_rows_and_exits_143(tmp_path, tiny_model):
-    inp = make_inputs(tmp_path)
+    # 4x the rows of the kill -9 test: the job runs seconds past its first part,
+    # so the signal cannot land after the job has ended (a process already on its
+    # way out ignores it and exits 0: the CI failure of 2026-11-29 at 35c58f9).
+    rows = 4 * ROWS
+    inp = make_inputs(tmp_path, rows)
     out = tmp_path / "out"
     job = job_spec(tmp_path, tiny_model, inp, out, "temperature = 0.0", 1, "job")
     p = start(job)
@@ -116,7 +120,7 @@ def test_sigterm_saves_finished_rows_and_exits_143(tmp_path, tiny_model):
     assert "interrupted by SIGTERM" in err and "Traceback" not in err
     assert not list(out.glob("*.tmp")) and not (out / "summary.json").exists()
     done = pq.read_table(parts(out)).num_rows
-    assert 0 < done < ROWS
+    assert 0 < done < rows
     r = run_cli("run", job, "--quiet")
     assert r.returncode == 0, r.stderr
-    assert sorted(pq.read_table(parts(out)).column("id").to_pylist()) == sorted(f"r{i}" for i in range(ROWS))
+    assert sorted(pq.read_table(parts(out)).column("id").to_pylist()) == sorted(f"r{i}" for i in range(rows))

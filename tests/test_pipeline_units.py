@@ -1,6 +1,7 @@
 """The pipeline's parts on their own: keys, packer, writer, signals, summary
 totals, and resume logic driven by a fake engine."""
 
+import json
 import os
 import signal
 
@@ -227,3 +228,22 @@ def test_memory_cap_shrinks_slots_and_refuses_below_the_weights(tiny_model):
     assert roomy.max_batch == 64 and 1 <= tight.max_batch <= 4 and tight.estimated_bytes <= fp.total(4, 512) + 1
     with pytest.raises(JobError, match="too small"):
         size_runtime(model, spec, fp.weights // 2)
+
+
+def test_a_signal_while_the_summary_is_written_waits_for_it_then_exits_143(tmp_path, fake_model_dir, monkeypatch):
+    import pipeline.runner as runner
+
+    inp = write_parquet(tmp_path / "in.parquet", id=[1, 2, 3], prompt=["a", "bb", "ccc"])
+    original = runner.build_summary
+
+    def build_with_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives after the last row, mid-summary
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "build_summary", build_with_signal)
+    before = signal.getsignal(signal.SIGTERM)
+    result = run_fake(fake_spec(tmp_path, inp))
+    assert result.exit_code == 128 + signal.SIGTERM
+    assert result.summary["rows"] == 3 and "interrupted by SIGTERM after the last row" in result.warnings[-1]
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"] == 3
+    assert signal.getsignal(signal.SIGTERM) == before
