@@ -101,7 +101,7 @@ def numbered_shards(rows: Iterator[PromptRow], shard_rows: int, first: int) -> I
 
 def run_on_ray(job, opts, state: OutputState, started: float, log):
     """The Ray counterpart of the local loop in `runner.run_job`."""
-    from .runner import RunResult, finish_job
+    from .runner import RunResult, finish_holding_signals
 
     ray = import_ray()
     spec, out = job.spec, state.path
@@ -147,7 +147,11 @@ def run_on_ray(job, opts, state: OutputState, started: float, log):
     run = throughput(tally.stats, time.monotonic() - started, written, tally.tokens)
     run["startup_seconds"] = t0 - started  # validation, resume scan, cluster connection, model loads
     runtime = {**settings, "stats": tally.stats, "actor_peak_memory": tally.actor_peak_memory}
-    return finish_job(job, out, run, runtime)
+    stopper.install()
+    try:
+        return finish_holding_signals(job, out, run, runtime, stopper)
+    finally:
+        stopper.restore()
 
 
 class _RunTally:

@@ -108,7 +108,7 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
         progress.close()
         run = throughput(engine.stats, time.monotonic() - started, writer.rows_written, progress.tokens)
         run["startup_seconds"] = t0 - started  # validation, resume scan, model load
-        return _finish_holding_signals(job, out, run, {**engine.settings, "stats": engine.stats}, stopper)
+        return finish_holding_signals(job, out, run, {**engine.settings, "stats": engine.stats}, stopper)
     except JobInterrupted as e:
         writer.flush_now()
         progress.close()
@@ -122,9 +122,10 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
         progress.close()
 
 
-def _finish_holding_signals(job: Prepared, out: Path, run: dict, runtime: dict, stopper: Stopper) -> RunResult:
+def finish_holding_signals(job: Prepared, out: Path, run: dict, runtime: dict, stopper: Stopper) -> RunResult:
     """Every row is written: a signal now waits for summary.json, then still
-    gives 128 + signal, so whoever sent it sees that it was acted on."""
+    gives 128 + signal, so whoever sent it sees that it was acted on.
+    `stopper` must be installed."""
     result = None
     try:
         with stopper.critical():
