@@ -237,6 +237,7 @@ def bench_setting(reference, runtimes: Dict[Depth, object], batch, B: int, t: fl
         )
         records.append(rec)
     add_measured_speedups(records)
+    add_auto_vs_best(records)
     return [baseline_record(B, t, base_runs, plan)] + records
 
 
@@ -371,6 +372,21 @@ def add_measured_speedups(records: List[dict]) -> None:
     for r in records:
         for field_, runs in (("measured_speedup", "run_tokens_per_s"), ("measured_decode_speedup", "run_decode_tokens_per_s")):
             r[field_] = _median_or_none(paired_ratios(list(zip(plain[runs], r[runs]))))
+
+
+def add_auto_vs_best(records: List[dict]) -> None:
+    """On the "auto" record: `best_fixed_depth`, the fixed depth (0 included)
+    with the highest ratio_vs_mlx_lm, and `auto_vs_best`, the median over
+    rounds of auto's run over that depth's run of the same round. Dividing
+    the two medians against mlx-lm instead carries four runs' noise and is
+    biased low: the best is the largest of several noisy medians."""
+    auto = next((r for r in records if r["depth"] == "auto"), None)
+    fixed = [r for r in records if r["depth"] != "auto"]
+    if auto is None or not fixed:
+        return
+    best = max(fixed, key=lambda r: r["ratio_vs_mlx_lm"])
+    auto["best_fixed_depth"] = best["depth"]
+    auto["auto_vs_best"] = _median_or_none(paired_ratios(list(zip(best["run_tokens_per_s"], auto["run_tokens_per_s"]))))
 
 
 def _median_or_none(xs: Sequence[float]) -> Optional[float]:

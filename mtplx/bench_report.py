@@ -22,6 +22,7 @@ COLUMNS = (
     ("meas dec", 8, lambda r: _num(r.get("measured_decode_speedup"), ".2f")),
     ("dec/pred", 8, lambda r: _num(_efficiency(r), ".2f")),
     ("rows/cyc", 8, lambda r: _num(r.get("rows_per_cycle"), ".2f")),
+    ("auto/best", 9, lambda r: _auto_vs_best(r)),
 )
 
 
@@ -41,7 +42,8 @@ def format_table(records: Sequence[dict]) -> str:
         "decode vs: the same outside prompt processing; prefill: its share of the wall time.",
         "ideal: 1 + accepted drafts per cycle; pred: ideal x step / (verify + k head), from the bare costs; "
         "meas / meas dec: tok/s over MTPLX depth 0, wall / decode only; dec/pred: meas dec / pred; "
-        "rows/cyc: rows decoded per cycle (B while the batch is full).",
+        "rows/cyc: rows decoded per cycle (B while the batch is full); "
+        "auto/best: auto's run over the best fixed depth's (named) of its round, median.",
     ]
     return "\n".join(lines)
 
@@ -137,6 +139,12 @@ def _depth(r: dict) -> str:
     if r["depth"] == "auto":
         return f"auto={r['depth_used']}"
     return str(r["depth"])
+
+
+def _auto_vs_best(r: dict) -> str:
+    if r.get("auto_vs_best") is None:
+        return "-"
+    return f"{r['auto_vs_best']:.2f} d{r['best_fixed_depth']}"
 
 
 def _spread(r: dict) -> str:

@@ -12,6 +12,7 @@ from mtplx.bench import (
     BenchPlan,
     Run,
     acceptance_summary,
+    add_auto_vs_best,
     add_measured_speedups,
     paired_ratios,
     predicted_from_ideal,
@@ -99,6 +100,19 @@ def test_measured_speedup_is_the_median_of_each_rounds_depth_over_depth_zero():
     assert recs[0]["measured_speedup"] == pytest.approx(1.0)
     assert recs[1]["measured_speedup"] == pytest.approx(1.5)  # median of 1.5, 2.0, 0.5
     assert recs[1]["measured_decode_speedup"] == pytest.approx(2.5)  # median of 1.5, 3.0, 2.5
+
+
+def test_auto_vs_best_pairs_auto_with_the_best_fixed_depths_run_of_each_round():
+    recs = [
+        {"depth": 0, "ratio_vs_mlx_lm": 1.4, "run_tokens_per_s": [100.0, 50.0, 80.0]},
+        {"depth": 1, "ratio_vs_mlx_lm": 1.6, "run_tokens_per_s": [120.0, 60.0, 100.0]},
+        {"depth": 2, "ratio_vs_mlx_lm": 1.5, "run_tokens_per_s": [200.0, 10.0, 10.0]},
+        {"depth": "auto", "ratio_vs_mlx_lm": 1.3, "run_tokens_per_s": [108.0, 66.0, 95.0]},
+    ]
+    add_auto_vs_best(recs)
+    assert recs[3]["best_fixed_depth"] == 1  # by ratio_vs_mlx_lm, not by any one round
+    assert recs[3]["auto_vs_best"] == pytest.approx(0.95)  # median of 0.9, 1.1, 0.95
+    assert "auto_vs_best" not in recs[1]
 
 
 def test_take_prompts_cycles_a_small_pool():
@@ -246,6 +260,8 @@ def test_tiny_run_mtplx_records_follow_the_schema_and_formulas(tiny_records):
         assert 0 < r["rows_per_cycle"] <= r["batch_size"]  # batch 2 runs 2 prompts at once
         if r["depth"] == 0:
             assert r["measured_speedup"] == pytest.approx(1.0)
+        if r["depth"] == "auto":
+            assert r["best_fixed_depth"] != "auto" and r["auto_vs_best"] > 0
 
 
 def test_table_has_a_line_for_every_record_and_the_bare_costs(tiny_records):
