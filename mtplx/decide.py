@@ -1,5 +1,6 @@
 """The token decisions of a decode cycle as compiled graphs: the drafter's
-choice at each depth (step 1) and accept (step 3).
+choice at each depth (step 1, traced inside mtplx.draft_chain) and accept
+(step 3).
 
 After the verify pass every row decides, from the target logits and its
 drafts, how many drafts it accepts and which token it emits next. At decode
@@ -53,7 +54,7 @@ def decide(
     fn = _decide_fn(greedy, sampling.any_filter, rule, logprobs, q is not None, compiled)
     args = [logits, drafts, num_valid, active]
     if not greedy:
-        args += [keys, *_sampling_arrays(sampling)]
+        args += [keys, *sampling_arrays(sampling)]
         args += [q] if q is not None else []
     out = fn(*args)
     return Decision(*out[:6], out[6] if logprobs else None)
@@ -89,35 +90,21 @@ def _decide_fn(greedy: bool, any_filter: bool, rule: str, logprobs: bool, has_q:
     return mx.compile(run) if compiled else run
 
 
-def draft_choice(
-    head_logits: mx.array, keys: Optional[mx.array], sampling: BatchSampling, rule: str, compiled: bool = True
-):
-    """The drafter's token at one depth: head_logits [B, V], keys [B, 1, 2]
-    of the drafted position (None when every row is greedy) -> d [B, 1] and
-    q [B, 1, V] (None when greedy). A head gone non-finite only costs
-    acceptance: any q is exact, so its rows draft from the uniform."""
-    greedy = sampling.all_greedy
-    fn = _draft_fn(greedy, sampling.any_filter, rule, compiled)
+def choose_draft(logits: mx.array, keys: Optional[mx.array], sampled: tuple, greedy: bool, any_filter: bool,
+                 rule: str):
+    """The drafter's token at one depth: head logits [B, V], keys [B, 1, 2] of
+    the drafted position and `sampling_arrays` (unused when every row is
+    greedy) -> d [B, 1] and q [B, 1, V] (None when greedy). A head gone
+    non-finite only costs acceptance: any q is exact, so its rows draft from
+    the uniform. Traced inside `draft_chain.DraftChain`."""
+    logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
     if greedy:
-        return fn(head_logits)[0], None
-    d, q = fn(head_logits, keys, *_sampling_arrays(sampling))
-    return d, q
+        return greedy_tokens(logits)[:, None], None  # [B, 1]
+    q = target_probs(logits[:, None], _sampling_from(sampled, any_filter))  # [B, 1, V]
+    return draft_tokens(q, keys, rule), q  # [B, 1], [B, 1, V]
 
 
-@lru_cache(maxsize=None)
-def _draft_fn(greedy: bool, any_filter: bool, rule: str, compiled: bool):
-    def run(logits, *sampled):
-        logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
-        if greedy:
-            return [greedy_tokens(logits)[:, None]]  # [B, 1]
-        keys, bs = sampled[0], _sampling_from(sampled[1:], any_filter)
-        q = target_probs(logits[:, None], bs)  # [B, 1, V]
-        return [draft_tokens(q, keys, rule), q]  # [B, 1], [B, 1, V]
-
-    return mx.compile(run) if compiled else run
-
-
-def _sampling_arrays(bs: BatchSampling) -> list:
+def sampling_arrays(bs: BatchSampling) -> list:
     """A batch's sampling parameters as the arrays a traced graph takes."""
     return [bs.temperature, bs.top_k, bs.top_p, bs.min_p, bs.greedy]
 
@@ -131,4 +118,3 @@ def forget_traces() -> None:
     """Drop the traced graphs: a trace holds the sampling functions as they
     were when it was made (a test that plants a bug must trace anew)."""
     _decide_fn.cache_clear()
-    _draft_fn.cache_clear()

@@ -4,11 +4,12 @@ commit, refill), as DESIGN.md "One decode cycle" describes it.
 A cycle over B slots at depth k:
   0. head catch-up: one head pass writes each row's verified pairs and
      (h, primary); its output at the primary gives q_1 for the draft.
-  1. draft d_1..d_k (depth i>1 feeds the head its own output back);
+  1. draft d_1..d_k in one graph (depth i>1 feeds the head its own output
+     back; the head entries that writes are never kept, mtplx.draft_chain);
   2. verify [x_n, d_1..d_k] with one trunk forward;
   3. accept per row, vectorised (mtplx.sampling.speculative_accept);
   4. commit: trunk lengths += a_b + 1, each row's gated-delta state after its
-     accepted step selected, head rollback;
+     accepted step selected;
   5. emit on the host, apply stop rules, free and refill finished slots.
 The host syncs once per cycle, to read accepted counts and tokens.
 """
@@ -25,7 +26,8 @@ import numpy as np
 
 from .compiled import SlotPass, head_layer
 from .completion import Completion, Request, error_completion, find_stop_string
-from .decide import decide, draft_choice
+from .decide import decide
+from .draft_chain import DraftChain
 from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
@@ -70,6 +72,8 @@ class MTPLXRuntime:
             SlotPass(head_layer(model.head, j), keep_pending=False, compiled=contract.compile)
             for j in range(model.num_head_layers if self.depth > 0 else 0)
         ]
+        self._draft_chain = DraftChain(model.head, model.num_head_layers, contract.acceptance,
+                                       compiled=contract.compile) if self.depth > 0 else None
         self.stats = _new_stats(self.depth)
         # Seconds of each recent cycle launch (building it and, on the CPU
         # backend, most of its compute): what calibration takes medians of.
@@ -261,7 +265,7 @@ class MTPLXRuntime:
 
         if k > 0:
             self._head_catch_up(batch, span)
-            drafts, q = self._draft(batch, keys, span, k)  # [B, k], [B, k, V]
+            drafts, q = self._draft(batch, keys, k)  # [B, k], [B, k, V]
         else:
             drafts = mx.zeros((batch.size, 0), dtype=mx.int32)
             q = None
@@ -308,26 +312,10 @@ class MTPLXRuntime:
                 batch.head_hidden = _take_rows(out, batch.cu_take)  # [B, H]
         batch.set_head_lengths([l + batch.cu_keep for l in before], span + self.depth + 1)
 
-    def _draft(self, batch: SlotBatch, keys: mx.array, span: int, k: int):
-        """d_1..d_k per row; depth i>1 feeds the head its own output back."""
-        rule = self.contract.acceptance
-        logits, hidden = batch.head_logits, batch.head_hidden  # [B, V], [B, H]
-        committed = batch.head_lengths()
-        drafts, qs = [], []
-        for i in range(1, k + 1):
-            d_i, q_i = draft_choice(
-                logits, None if keys is None else keys[:, i - 1 : i], batch.sampling, rule, self.contract.compile
-            )  # [B, 1], [B, 1, V] (None when greedy)
-            drafts.append(d_i)
-            qs.append(q_i)
-            if i < k:
-                j = i % len(self._head)  # depth i+1 runs head layer i mod n
-                lg, out = self._head[j]((hidden[:, None], d_i), [batch.head[j]], T=1)
-                logits, hidden = lg[:, 0], out[:, 0]
-        if k > 1:  # roll back the entries written from the head's own hidden
-            batch.set_head_lengths(committed, span + self.depth + 1)
-        q = None if keys is None else mx.concatenate(qs, axis=1)
-        return mx.concatenate(drafts, axis=1), q
+    def _draft(self, batch: SlotBatch, keys: mx.array, k: int):
+        """d_1..d_k per row; depth i>1 feeds the head its own output back.
+        One graph (mtplx.draft_chain), which leaves the head caches as they were."""
+        return self._draft_chain(batch.head_logits, batch.head_hidden, keys, batch.sampling, batch.head, k)
 
     # -- reading a finished cycle (host) -------------------------------------
     def _collect(self, batch: SlotBatch, inf: "_InFlight") -> List[Completion]:

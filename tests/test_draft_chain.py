@@ -1,0 +1,102 @@
+"""The draft chain (one graph for d_1..d_k) against the head run one step at a
+time, eagerly, on its own copies of the caches."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mtplx
+from mtplx.cache import SlotKVCache
+from mtplx.draft_chain import DraftChain
+from mtplx.sampling import SamplingParams, batch_sampling, draft_tokens, greedy_tokens, target_probs
+from mtplx.testing import tiny_checkpoint
+
+VOCAB = 48
+B = 3
+CASES = [("qwen3_5", {"mtp_num_hidden_layers": 2}), ("mimo", {}), ("deepseek_v3", {"num_nextn_predict_layers": 2})]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{next(iter(o.values()), 1)}layers" for f, o in CASES])
+def model(request, tmp_path_factory):
+    family, overrides = request.param
+    path = tiny_checkpoint(family, tmp_path_factory.mktemp(family), vocab_size=VOCAB, **overrides)
+    return mtplx.load(path)
+
+
+def hidden_size(model) -> int:
+    config = json.loads((model.path / "config.json").read_text())
+    return config.get("text_config", config)["hidden_size"]
+
+
+def head_caches(model, lengths, seed=0):
+    """Head KV caches with written entries up to each row's length (a catch-up's result)."""
+    rng = np.random.default_rng(seed)
+    caches = []
+    for j in range(model.num_head_layers):
+        c = SlotKVCache(B)
+        probe = SlotKVCache(B)  # the head's own K/V shapes, from one eager pass
+        model.head(mx.zeros((B, 1, hidden_size(model))), mx.zeros((B, 1), dtype=mx.int32),
+                   cache=[probe if l == j else None for l in range(model.num_head_layers)], depth=j + 1)
+        H, D = probe.keys.shape[1], probe.keys.shape[3]
+        L = max(lengths)
+        c.keys = mx.array(rng.normal(size=(B, H, L, D)).astype(np.float32))
+        c.values = mx.array(rng.normal(size=(B, H, L, probe.values.shape[3])).astype(np.float32))
+        c.lengths = mx.array(lengths, dtype=mx.int32)
+        c.host_max = L
+        caches.append(c)
+    return caches
+
+
+def copy_of(c: SlotKVCache) -> SlotKVCache:
+    out = SlotKVCache(c.batch_size)
+    out.keys, out.values, out.lengths, out.host_max = c.keys, c.values, c.lengths, c.host_max
+    return out
+
+
+def step_by_step(model, logits, hidden, keys, sampling, caches, k, rule):
+    """Draft d_1..d_k as DESIGN step 1 says, one eager head pass at a time."""
+    caches = [copy_of(c) for c in caches]
+    n = model.num_head_layers
+    drafts, qs = [], []
+    for i in range(1, k + 1):
+        if sampling.all_greedy:
+            d = greedy_tokens(logits)[:, None]
+        else:
+            q = target_probs(logits[:, None], sampling)  # [B, 1, V]
+            d = draft_tokens(q, keys[:, i - 1 : i], rule)
+            qs.append(q)
+        drafts.append(d)
+        if i < k:
+            j = i % n
+            lg, out = model.head(hidden[:, None], d, cache=[caches[j] if l == j else None for l in range(n)],
+                                 depth=j + 1)
+            logits, hidden = lg[:, 0], out[:, 0]
+    return mx.concatenate(drafts, axis=1), (mx.concatenate(qs, axis=1) if qs else None)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_chain_drafts_what_the_head_fed_its_own_output_drafts_and_leaves_the_caches(model, compiled, temperature):
+    rng = np.random.default_rng(1)
+    caches = head_caches(model, [5, 9, 2])
+    before = [(c.keys, c.values, c.lengths, c.host_max) for c in caches]
+    logits = mx.array(rng.normal(size=(B, VOCAB)).astype(np.float32) * 3)
+    hidden = mx.array(rng.normal(size=(B, hidden_size(model))).astype(np.float32))
+    sampling = batch_sampling([SamplingParams(temperature=temperature, top_k=0 if i else 7) for i in range(B)])
+    k = 4
+    keys = mx.array(rng.integers(0, 2**32, size=(B, k, 2), dtype=np.uint32))
+    chain = DraftChain(model.head, model.num_head_layers, "residual", compiled=compiled)
+    drafts, q = chain(logits, hidden, keys, sampling, caches, k)
+    ref_drafts, ref_q = step_by_step(model, logits, hidden, keys, sampling, caches, k, "residual")
+    assert drafts.shape == (B, k) and drafts.tolist() == ref_drafts.tolist()
+    if temperature == 0.0:
+        assert q is None
+    else:
+        assert q.shape == (B, k, VOCAB)
+        np.testing.assert_allclose(np.array(q), np.array(ref_q), atol=1e-5)
+    for c, (keys_, values, lengths, host_max) in zip(caches, before):  # nothing the chain wrote is kept
+        assert c.lengths.tolist() == lengths.tolist() and c.host_max == host_max
+        L = keys_.shape[2]
+        assert mx.array_equal(c.keys[:, :, :L], keys_) and mx.array_equal(c.values[:, :, :L], values)
