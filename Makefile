@@ -1,36 +1,43 @@
 # MTPLX: set-up, demo, tests and benchmark.
 #
 # On Linux, mlx[cpu] ships a reference BLAS that is ~15x slower than OpenBLAS,
-# so `install` adds Debian's libopenblas0-pthread (when apt-get is there) and
-# every target that runs MLX preloads it when the library exists.
+# and its CPU backend mallocs and frees every buffer, which glibc's malloc does
+# slowly; so `install` adds Debian's libopenblas0-pthread and libjemalloc2
+# (when apt-get is there) and every target that runs MLX preloads those of
+# them that exist.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
+JEMALLOC := /usr/lib/x86_64-linux-gnu/libjemalloc.so.2
 STAMP := $(VENV)/.installed
-# Runs its argument with OpenBLAS preloaded where it exists (Linux), plainly elsewhere.
-MLXENV = if [ "$$(uname -s)" = Linux ] && [ -e $(OPENBLAS) ]; then export LD_PRELOAD=$(OPENBLAS); fi;
+# Runs its argument with OpenBLAS and jemalloc preloaded where they exist (Linux), plainly elsewhere.
+MLXENV = P=""; for l in $(OPENBLAS) $(JEMALLOC); do if [ -e $$l ]; then P="$$P $$l"; fi; done; \
+  if [ -n "$$P" ]; then export LD_PRELOAD="$$P"; fi;
 
-.PHONY: install run test test-all bench clean openblas
+.PHONY: install run test test-all bench clean native-libs
 
-install: $(STAMP)
+install: native-libs $(STAMP)
 
 $(STAMP): pyproject.toml
-	@$(MAKE) --no-print-directory openblas
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,ray]'
 	@touch $(STAMP)
 
-openblas:
-	@if [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ]; then \
-	  if command -v apt-get >/dev/null 2>&1; then \
-	    SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo"; \
-	    echo "installing libopenblas0-pthread (mlx-cpu's bundled BLAS is ~15x slower)"; \
-	    ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libopenblas0-pthread) >/dev/null 2>&1 \
-	      || echo "warning: could not install libopenblas0-pthread; MLX will use its slow reference BLAS"; \
-	  else echo "warning: no apt-get; install OpenBLAS yourself for speed"; fi; \
+native-libs:
+	@if [ "$$(uname -s)" = Linux ]; then \
+	  for pair in libopenblas0-pthread:$(OPENBLAS) libjemalloc2:$(JEMALLOC); do \
+	    pkg=$${pair%%:*}; lib=$${pair#*:}; \
+	    [ -e $$lib ] && continue; \
+	    if command -v apt-get >/dev/null 2>&1; then \
+	      SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo"; \
+	      echo "installing $$pkg (MLX on the CPU is much slower without it; see README)"; \
+	      ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$pkg) >/dev/null 2>&1 \
+	        || echo "warning: could not install $$pkg; MLX will run slower"; \
+	    else echo "warning: no apt-get; install $$pkg yourself for speed"; fi; \
+	  done; \
 	fi
 
 # The sample nightly job on the built-in model: rerunning resumes (nothing to

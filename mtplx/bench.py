@@ -461,6 +461,7 @@ def header_record(model_path: Path, plan: BenchPlan, num_prompts: int, prompt_so
         "machine": machine_info(),
         "versions": versions(),
         "blas": blas_in_use(),
+        "allocator": allocator_in_use(),
         "model": str(model_path),
         "prompts": {
             "count": num_prompts,
@@ -517,20 +518,34 @@ def versions() -> dict:
     return out
 
 
+def allocator_in_use() -> str:
+    """The malloc this process runs on. MLX's CPU backend mallocs every
+    buffer: under glibc's malloc mlx-lm and MTPLX alike ran 1.35-2.1x slower
+    than under jemalloc here (pipeline.preload)."""
+    for lib in _mapped_libraries(("jemalloc", "tcmalloc", "mimalloc")):
+        return Path(lib).name
+    return "glibc malloc" if sys.platform.startswith("linux") else "system malloc"
+
+
+def _mapped_libraries(parts: Sequence[str]) -> List[str]:
+    """Files mapped into this process (Linux) whose name holds one of `parts`."""
+    libs = set()
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            name = line.rsplit(" ", 1)[-1]
+            if any(s in name.lower() for s in parts):
+                libs.add(name)
+    except OSError:
+        pass
+    return sorted(libs)
+
+
 def blas_in_use() -> dict:
     """The BLAS libraries mapped into this process (Linux), and LD_PRELOAD.
 
     mlx-cpu's own reference BLAS is ~15x slower than OpenBLAS, so numbers
     without OpenBLAS mapped are not comparable to ones with it."""
-    libs = set()
-    try:
-        for line in Path("/proc/self/maps").read_text().splitlines():
-            name = line.rsplit(" ", 1)[-1]
-            if any(s in name.lower() for s in ("blas", "lapack", "mkl")):
-                libs.add(name)
-    except OSError:
-        pass
-    libs_sorted = sorted(libs)
+    libs_sorted = _mapped_libraries(("blas", "lapack", "mkl"))
     preload = os.environ.get("LD_PRELOAD", "")
     if any("openblas" in s for s in libs_sorted):
         name = "OpenBLAS"

@@ -109,7 +109,8 @@ def _describe(h: dict) -> List[str]:
         f"clipped to {p.get('max_prompt_tokens') or 'no'} tokens; max_tokens {h['max_tokens']}; "
         f"repeats {s['repeats']}; seed {s['seed']}",
         f"machine: {m['processor']}, {m['cpu_count']} CPUs, {m['platform']}",
-        "versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + f"; BLAS: {h['blas']['name']}",
+        "versions: " + ", ".join(f"{k} {val}" for k, val in v.items())
+        + f"; BLAS: {h['blas']['name']}; malloc: {h.get('allocator', '-')}",
         "",
     ]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from .blas import reexec_with_openblas
+from .preload import reexec_with_preloads
 from .errors import EXIT_BAD_JOB, JobError
 
 
@@ -242,7 +242,7 @@ _add_model_commands()
 
 
 def main():
-    reexec_with_openblas()
+    reexec_with_preloads()
     cli(prog_name="mtplx")
 
 

@@ -13,8 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.preload import with_preloads
+
 REPO = Path(__file__).resolve().parents[1]
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 
 
 @pytest.fixture(scope="session")
@@ -33,9 +34,7 @@ def write_parquet(path: Path, **columns) -> Path:
 
 
 def cli_env() -> dict:
-    env = dict(os.environ)
-    if os.path.exists(OPENBLAS) and "libopenblas" not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = f"{OPENBLAS} {env.get('LD_PRELOAD', '')}".strip()
+    env = with_preloads(dict(os.environ))  # as `mtplx` would re-execute itself
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -226,7 +226,7 @@ def test_tiny_run_writes_a_header_with_machine_versions_and_blas(tiny_records, t
     assert header["model"] == str(tiny_model)
     assert header["machine"]["cpu_count"] >= 1 and header["machine"]["platform"]
     assert set(header["versions"]) >= {"python", "mlx", "mlx-lm", "mtplx"}
-    assert header["blas"]["name"]
+    assert header["blas"]["name"] and header["allocator"]
     assert header["prompts"]["count"] == 2 and header["max_tokens"] == 4
 
 

@@ -7,3 +7,16 @@ def test_help_lists_the_commands():
     result = CliRunner().invoke(cli, ["--help"])
     assert result.exit_code == 0
     assert "mtplx run" in result.output
+
+
+def test_preloads_put_missing_openblas_and_jemalloc_first_and_keep_the_users(monkeypatch):
+    from pipeline import preload
+
+    monkeypatch.setattr(preload.sys, "platform", "linux")
+    monkeypatch.setattr(preload.os.path, "exists", lambda p: p in (preload.OPENBLAS, preload.JEMALLOC))
+    env = preload.with_preloads({"LD_PRELOAD": "/opt/mine.so"})
+    assert env["LD_PRELOAD"] == f"{preload.OPENBLAS} {preload.JEMALLOC} /opt/mine.so"
+    assert preload.with_preloads(env) == env  # nothing twice
+    monkeypatch.setattr(preload.os.path, "exists", lambda p: p == preload.OPENBLAS)  # no jemalloc here
+    assert preload.with_preloads({})["LD_PRELOAD"] == preload.OPENBLAS
+    assert preload.missing_preloads(preload.OPENBLAS) == []
