@@ -19,11 +19,16 @@ JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 _GUARD = "MTPLX_PRELOAD_REEXEC_DONE"
 
 
+# A library counts as preloaded when LD_PRELOAD names it or, for the
+# allocator, any other malloc the user chose.
+_ALREADY = {OPENBLAS: ("libopenblas",), JEMALLOC: ("jemalloc", "tcmalloc", "mimalloc")}
+
+
 def missing_preloads(preload: str) -> list:
     """The libraries that exist here and are not in `preload` (LD_PRELOAD)."""
     if not sys.platform.startswith("linux"):
         return []
-    return [lib for lib in (OPENBLAS, JEMALLOC) if os.path.exists(lib) and os.path.basename(lib) not in preload]
+    return [lib for lib, names in _ALREADY.items() if os.path.exists(lib) and not any(n in preload for n in names)]
 
 
 def with_preloads(env: dict) -> dict:

@@ -20,3 +20,5 @@ def test_preloads_put_missing_openblas_and_jemalloc_first_and_keep_the_users(mon
     monkeypatch.setattr(preload.os.path, "exists", lambda p: p == preload.OPENBLAS)  # no jemalloc here
     assert preload.with_preloads({})["LD_PRELOAD"] == preload.OPENBLAS
     assert preload.missing_preloads(preload.OPENBLAS) == []
+    monkeypatch.setattr(preload.os.path, "exists", lambda p: True)
+    assert preload.missing_preloads("/opt/libtcmalloc_minimal.so.4") == [preload.OPENBLAS]  # the user's malloc stays
