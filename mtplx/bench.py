@@ -520,8 +520,8 @@ def versions() -> dict:
 
 def allocator_in_use() -> str:
     """The malloc this process runs on. MLX's CPU backend mallocs every
-    buffer: under glibc's malloc mlx-lm and MTPLX alike ran 1.35-2.1x slower
-    than under jemalloc here (pipeline.preload)."""
+    buffer: under glibc's malloc mlx-lm and MTPLX alike ran about 1.4x
+    slower than under jemalloc here (pipeline.preload)."""
     for lib in _mapped_libraries(("jemalloc", "tcmalloc", "mimalloc")):
         return Path(lib).name
     return "glibc malloc" if sys.platform.startswith("linux") else "system malloc"

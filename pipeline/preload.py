@@ -4,7 +4,8 @@
 - MLX's CPU backend takes every array buffer from malloc and frees it
   after use, thousands of times per decode step; with glibc's malloc that
   was about 13% of a step's time in `perf` (malloc_consolidate, _int_malloc);
-  with jemalloc whole runs of mlx-lm and MTPLX were 1.35-2.1x faster here.
+  with jemalloc whole runs of mlx-lm and MTPLX were about 1.4x faster here
+  (1.03-2.33x over 18 paired settings).
 
 Both have to be preloaded before the process starts, so the CLI re-executes
 itself once with LD_PRELOAD set to those of them that exist and are not
