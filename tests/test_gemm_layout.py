@@ -98,3 +98,23 @@ def test_speculative_decoding_emits_plain_decodings_tokens_and_logprobs_bit_for_
         assert spec.tokens == plain.tokens
         assert spec.logprobs == plain.logprobs  # floats compared exactly
     assert sum(sum(c.accepted_by_depth) for c in runs[2]) > 0
+
+
+def test_a_relaid_linear_multiplies_by_its_in_out_array_and_honours_a_replaced_weight():
+    import mlx.nn as nn
+
+    from mtplx.gemm_layout import RelaidLinear, _relay_linears
+
+    rng = np.random.default_rng(3)
+    for bias in (True, False):
+        layer = nn.Linear(48, 40, bias=bias)
+        x = mx.array(rng.standard_normal((2, 3, 48)), dtype=mx.float32)
+        want = layer(x)
+        assert _relay_linears(layer) == 1 and type(layer) is RelaidLinear
+        assert sorted(k for k, _ in tree_flatten(layer.parameters())) == (["bias", "weight"] if bias else ["weight"])
+        got = layer(x)
+        # The same GEMM as x @ weight.T on the re-laid weight: bit for bit, with no Transpose node.
+        assert mx.array_equal(got, x @ layer.weight.T + (layer.bias if bias else 0)).item()
+        assert mx.abs(got - want).max().item() < 1e-5
+        layer.load_weights([("weight", mx.zeros((40, 48)))], strict=False)  # a weight set later is the one used
+        assert mx.array_equal(layer(x), mx.broadcast_to(layer.bias if bias else mx.zeros((40,)), (2, 3, 40))).item()
