@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from .cache import SlotKVCache
+from .compiled import _shadow_caches
 from .decide import choose_draft, sampling_arrays
 
 
@@ -64,7 +65,8 @@ class DraftChain:
         def run(logits, hidden, *rest):
             n_sampled = 0 if greedy else 6  # keys [B, k, 2] + the five sampling arrays
             sampled, arrays = rest[:n_sampled], rest[n_sampled:]
-            caches = {j: _shadow(*arrays[3 * i : 3 * i + 3]) for i, j in enumerate(used)}
+            # Caches over the given arrays: their writes make new arrays, never touching these.
+            caches = dict(zip(used, _shadow_caches((SlotKVCache,) * len(used), arrays, T=1)))
             drafts, qs = [], []
             for i in range(1, k + 1):
                 keys_i = None if greedy else sampled[0][:, i - 1 : i]  # [B, 1, 2]
@@ -74,7 +76,7 @@ class DraftChain:
                 if i < k:
                     j = i % n
                     cache = caches[j]
-                    cache.host_max = cache.keys.shape[2] - 1  # read the whole capacity, as SlotPass does
+                    cache.host_max = cache.keys.shape[2] - 1  # again after a step on this layer: the whole capacity
                     lg, out = head(hidden[:, None], d_i, cache=[cache if l == j else None for l in range(n)],
                                    depth=j + 1)  # [B, 1, V], [B, 1, H]
                     logits, hidden = lg[:, 0], out[:, 0]
@@ -82,10 +84,3 @@ class DraftChain:
             return [d] if greedy else [d, mx.concatenate(qs, axis=1)]  # [B, k], [B, k, V]
 
         return run
-
-
-def _shadow(keys: mx.array, values: mx.array, lengths: mx.array) -> SlotKVCache:
-    """A cache over the given arrays; its writes make new arrays, never touching these."""
-    c = SlotKVCache(keys.shape[0])
-    c.keys, c.values, c.lengths = keys, values, lengths
-    return c
