@@ -553,7 +553,13 @@ def blas_in_use() -> dict:
         name = "Accelerate"
     else:
         name = "mlx bundled (reference BLAS)" if sys.platform.startswith("linux") else "unknown"
-    return {"name": name, "libraries": libs_sorted, "ld_preload": preload or None}
+    return {
+        "name": name,
+        "libraries": libs_sorted,
+        "ld_preload": preload or None,
+        # How long idle OpenBLAS threads spin before sleeping (pipeline.preload).
+        "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+    }
 
 
 # ------------------------------------------------------------------ prompts

@@ -110,7 +110,7 @@ def _describe(h: dict) -> List[str]:
         f"repeats {s['repeats']}; seed {s['seed']}",
         f"machine: {m['processor']}, {m['cpu_count']} CPUs, {m['platform']}",
         "versions: " + ", ".join(f"{k} {val}" for k, val in v.items())
-        + f"; BLAS: {h['blas']['name']}; malloc: {h.get('allocator', '-')}",
+        + f"; BLAS: {h['blas']['name']}{_thread_timeout(h['blas'])}; malloc: {h.get('allocator', '-')}",
         "",
     ]
 
@@ -174,3 +174,8 @@ def _ms(seconds: Optional[float]) -> Optional[float]:
 
 def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _thread_timeout(blas: dict) -> str:
+    t = blas.get("openblas_thread_timeout")
+    return f" (thread timeout 2^{t} cycles)" if t and blas.get("name") == "OpenBLAS" else ""

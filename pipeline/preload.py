@@ -7,9 +7,17 @@
   with jemalloc whole runs of mlx-lm and MTPLX were about 1.4x faster here
   (1.03-2.33x over 18 paired settings).
 
-Both have to be preloaded before the process starts, so the CLI re-executes
-itself once with LD_PRELOAD set to those of them that exist and are not
-preloaded yet. Either missing only costs speed.
+- OpenBLAS's idle worker threads spin on sched_yield for 2^28 TSC cycles
+  (about 0.1 s here) after each threaded GEMM before they sleep. After a
+  prefill that took a whole core from a decode whose tiny GEMMs use no
+  second thread (batch 1-4): the main thread was preempted ~12,000 times
+  a second. OPENBLAS_THREAD_TIMEOUT=20 (2^20 cycles, about 0.4 ms) still
+  spans the gaps between one step's GEMMs at batch 16.
+
+All of this is read when the process starts, so the CLI re-executes itself
+once with LD_PRELOAD set to those libraries that exist and are not preloaded
+yet, and with the OpenBLAS setting unless the user set it. Any of it missing
+only costs speed.
 """
 
 import os
@@ -18,6 +26,8 @@ import sys
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 _GUARD = "MTPLX_PRELOAD_REEXEC_DONE"
+# Native-library settings the user has not chosen otherwise (see above).
+NATIVE_SETTINGS = {"OPENBLAS_THREAD_TIMEOUT": "20"}
 
 
 # A library counts as preloaded when LD_PRELOAD names it or, for the
@@ -33,16 +43,19 @@ def missing_preloads(preload: str) -> list:
 
 
 def with_preloads(env: dict) -> dict:
-    """`env` with the missing libraries put first in LD_PRELOAD."""
+    """`env` with the missing libraries put first in LD_PRELOAD and the
+    native settings it lacks added (the user's own values stay)."""
     preload = env.get("LD_PRELOAD", "")
     missing = missing_preloads(preload)
     if missing:
         env = {**env, "LD_PRELOAD": " ".join(missing + ([preload] if preload else []))}
+    if sys.platform.startswith("linux"):
+        env = {**NATIVE_SETTINGS, **env}
     return env
 
 
 def reexec_with_preloads() -> None:
-    if os.environ.get(_GUARD) or not missing_preloads(os.environ.get("LD_PRELOAD", "")):
+    if os.environ.get(_GUARD) or with_preloads(dict(os.environ)) == dict(os.environ):
         return
     env = {**with_preloads(dict(os.environ)), _GUARD: "1"}
     try:

@@ -22,3 +22,13 @@ def test_preloads_put_missing_openblas_and_jemalloc_first_and_keep_the_users(mon
     assert preload.missing_preloads(preload.OPENBLAS) == []
     monkeypatch.setattr(preload.os.path, "exists", lambda p: True)
     assert preload.missing_preloads("/opt/libtcmalloc_minimal.so.4") == [preload.OPENBLAS]  # the user's malloc stays
+
+
+def test_preloads_set_the_openblas_thread_timeout_unless_the_user_did(monkeypatch):
+    from pipeline import preload
+
+    monkeypatch.setattr(preload.sys, "platform", "linux")
+    assert preload.with_preloads({})["OPENBLAS_THREAD_TIMEOUT"] == "20"
+    assert preload.with_preloads({"OPENBLAS_THREAD_TIMEOUT": "28"})["OPENBLAS_THREAD_TIMEOUT"] == "28"
+    monkeypatch.setattr(preload.sys, "platform", "darwin")  # Accelerate, not OpenBLAS
+    assert preload.with_preloads({}) == {}
