@@ -45,6 +45,7 @@ to their last 128 tokens.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -128,6 +129,7 @@ class Run:
     prefill_seconds: float
     completions: list = field(default_factory=list)
     cycles: int = 0  # MTPLX's decode cycles (each over the whole batch)
+    cycles_by_depth: Optional[Dict[str, int]] = None  # "auto": this run's cycles at each depth
 
     @property
     def tokens_per_s(self) -> float:
@@ -272,6 +274,8 @@ def run_engine(rt, prompts: List[List[int]], max_tokens: int, temperature: float
     from .sampling import SamplingParams
 
     prefill_before, cycles_before = rt.stats["prefill_seconds"], rt.stats["cycles"]
+    auto = rt.stats.get("auto_depth")
+    by_depth_before = dict(auto["cycles_by_depth"]) if auto else None
     t0 = time.perf_counter()
     outs = rt.generate(prompts, sampling=SamplingParams(temperature=temperature), max_tokens=max_tokens, seed=seed)
     seconds = time.perf_counter() - t0
@@ -279,7 +283,10 @@ def run_engine(rt, prompts: List[List[int]], max_tokens: int, temperature: float
     if errors:  # a timing over failed rows would compare different work
         raise RuntimeError(f"MTPLX failed {len(errors)} of {len(outs)} bench rows; first: {errors[0]}")
     prefill = rt.stats["prefill_seconds"] - prefill_before
-    return Run(sum(len(c.tokens) for c in outs), seconds, prefill, outs, rt.stats["cycles"] - cycles_before)
+    by_depth = None
+    if auto:  # the runtime's counts run on over warm-ups and other temperatures
+        by_depth = {k: n - by_depth_before.get(k, 0) for k, n in auto["cycles_by_depth"].items()}
+    return Run(sum(len(c.tokens) for c in outs), seconds, prefill, outs, rt.stats["cycles"] - cycles_before, by_depth)
 
 
 # ------------------------------------------------------------------ records
@@ -295,7 +302,11 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
     # share of it a batch that ends raggedly can reach (shrinking aside).
     batch_cycles = sum(e.cycles for e in engine_runs)
     acc["rows_per_cycle"] = acc["row_cycles"] / batch_cycles if batch_cycles else None
+    acc["cycles"] = batch_cycles
     auto = rt.stats.get("auto_depth")
+    if auto:  # the runtime's record, with the cycle counts of these timed runs only
+        by_depth = {k: sum(e.cycles_by_depth.get(k, 0) for e in engine_runs) for k in auto["cycles_by_depth"]}
+        auto = {**copy.deepcopy(auto), "cycles_by_depth": by_depth}
     # Under "auto" cycles may run at several depths: the prediction uses their mix.
     mix = {int(k): n for k, n in auto["cycles_by_depth"].items() if n} if auto else {rt.depth: 1}
     rec = {

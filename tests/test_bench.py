@@ -214,7 +214,7 @@ MTPLX_KEYS = {
 @pytest.fixture(scope="module")
 def tiny_records(tiny_model):
     records = bench.run_bench(
-        tiny_model, batch_sizes=(1, 2), depths=(0, 1, "auto"), temperatures=(0.0,),
+        tiny_model, batch_sizes=(1, 2), depths=(0, 1, "auto"), temperatures=(0.0, 1.0),
         max_tokens=4, repeats=1, prompts=[[3, 4, 5], [6, 7, 8, 9, 10]], progress=False,
     )
     return json.loads(json.dumps(records))  # the records survive JSON unchanged
@@ -232,7 +232,10 @@ def test_tiny_run_writes_a_header_with_machine_versions_and_blas(tiny_records, t
 
 def test_tiny_run_has_one_record_per_engine_batch_size_depth_and_temperature(tiny_records):
     keys = [(r["engine"], r["batch_size"], r["depth"], r["temperature"]) for r in tiny_records[1:]]
-    expected = [(e, B, d, 0.0) for B in (1, 2) for e, d in [("mlx_lm", None), ("mtplx", 0), ("mtplx", 1), ("mtplx", "auto")]]
+    expected = [
+        (e, B, d, t) for B in (1, 2) for t in (0.0, 1.0)
+        for e, d in [("mlx_lm", None), ("mtplx", 0), ("mtplx", 1), ("mtplx", "auto")]
+    ]
     assert keys == expected
 
 
@@ -264,13 +267,24 @@ def test_tiny_run_mtplx_records_follow_the_schema_and_formulas(tiny_records):
             assert r["best_fixed_depth"] != "auto" and r["auto_vs_best"] > 0
 
 
+def test_tiny_run_auto_records_count_only_their_own_timed_cycles(tiny_records):
+    # One "auto" runtime serves both temperatures and the warm-ups: its own
+    # counts run on, but each record's mix (and so its prediction) is its runs'.
+    autos = [r for r in tiny_records[1:] if r["depth"] == "auto"]
+    assert len(autos) == 4
+    for r in autos:
+        assert r["cycles"] > 0
+        assert sum(r["cycles_by_depth"].values()) == r["cycles"]
+        assert r["auto_choice"]["cycles_by_depth"] == r["cycles_by_depth"]
+
+
 def test_table_has_a_line_for_every_record_and_the_bare_costs(tiny_records):
     table = format_table(tiny_records)
     lines = table.splitlines()
     for r in tiny_records[1:]:
         depth = "-" if r["engine"] == "mlx_lm" else ("auto=" if r["depth"] == "auto" else str(r["depth"]))
         assert any(
-            line.split()[:3] == [str(r["batch_size"]), "0", r["engine"]] and depth in line.split()[3]
+            line.split()[:3] == [str(r["batch_size"]), f"{r['temperature']:g}", r["engine"]] and depth in line.split()[3]
             and f"{r['tokens_per_s']:.1f}" in line
             for line in lines
         ), (r, table)
