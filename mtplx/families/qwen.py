@@ -208,27 +208,41 @@ def _recurrence(gdn, q, k, v, a, b, state):
     each step so commit can pick each row's state instead of replaying.
 
     Per step these are the ops of mlx-lm's reference recurrence
-    (`gated_delta_ops`, which the layer runs on the CPU); the gates and the
-    grouped-query repeat are computed once for all S steps rather than once
-    per step, which at decode sizes, where every graph node costs dispatch
-    time, is what a verify pays for each extra token.
+    (`gated_delta_ops`, which the layer runs on the CPU), on the same values.
+    At decode sizes every graph node costs more dispatch time than its
+    arithmetic, so what does not depend on the step is done once for all S
+    steps: the gates, the grouped-query repeat, and the shapes each step
+    broadcasts in (a step then only slices its inputs, one node each,
+    instead of a Slice, Squeeze and ExpandDims per input, and keeps a unit
+    step axis instead of expanding delta).
     q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], a, b [B, S, Hv], state [B, Hv, Dv, Dk].
     """
+    B, S, Hv, Dv = v.shape
     beta = mx.sigmoid(b)  # [B, S, Hv]
     g = compute_g(gdn.A_log, a, gdn.dt_bias)  # [B, S, Hv]
-    r = v.shape[2] // q.shape[2]
+    r = Hv // q.shape[2]
     if r > 1:
         q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)  # [B, S, Hv, Dk]
+    qs = _by_step(q[:, :, :, None, :])  # S x [B, 1, Hv, 1, Dk]
+    ks = _by_step(k[:, :, :, None, :])  # S x [B, 1, Hv, 1, Dk]
+    vs = _by_step(v[..., None])  # S x [B, 1, Hv, Dv, 1]
+    gs = _by_step(g[..., None, None])  # S x [B, 1, Hv, 1, 1]
+    betas = _by_step(beta[..., None, None])  # S x [B, 1, Hv, 1, 1]
+    state = state[:, None]  # [B, 1, Hv, Dv, Dk]
     ys, states = [], []
-    for t in range(q.shape[1]):
-        k_t = k[:, t, :, None, :]  # [B, Hv, 1, Dk]
-        state = state * g[:, t, :, None, None]
-        kv_mem = (state * k_t).sum(axis=-1)  # [B, Hv, Dv]
-        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]  # [B, Hv, Dv]
-        state = state + k_t * delta[..., None]
-        ys.append((state * q[:, t, :, None, :]).sum(axis=-1).astype(q.dtype))  # [B, Hv, Dv]
-        states.append(state)
-    return mx.stack(ys, axis=1), states
+    for t in range(S):
+        state = state * gs[t]
+        kv_mem = (state * ks[t]).sum(axis=-1, keepdims=True)  # [B, 1, Hv, Dv, 1]
+        delta = (vs[t] - kv_mem) * betas[t]  # [B, 1, Hv, Dv, 1]
+        state = state + ks[t] * delta
+        ys.append((state * qs[t]).sum(axis=-1).astype(q.dtype))  # [B, 1, Hv, Dv]
+        states.append(state.reshape(B, Hv, Dv, -1))
+    return (ys[0] if S == 1 else mx.concatenate(ys, axis=1)), states
+
+
+def _by_step(x):
+    """x [B, S, ...] -> S arrays [B, 1, ...] (no node when S is 1)."""
+    return [x] if x.shape[1] == 1 else mx.split(x, x.shape[1], axis=1)
 
 
 # -- prompt-time forward of a gated-delta layer ---------------------------------
