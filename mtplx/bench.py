@@ -12,7 +12,9 @@ max_tokens and the same checkpoint, it times:
   the float32 dense weights it decodes with for the CPU's GEMM, see
   `mtplx.gemm_layout`);
 - MTPLX (`MTPLXRuntime(max_batch=B)`) at each depth, and at depth "auto".
-After one short warm-up of each, the runs go in rounds (`repeats` of them):
+After one short warm-up of each, the runs go in rounds (`repeats` of them,
+times 4 // prompts per run when a run has fewer than 4 prompts: such short
+runs are the noisiest, and cheap to repeat):
 a round runs the baseline once, then MTPLX at every depth, in an order that
 rotates from round to round, so a slow spell does not land on one depth
 alone and every depth runs as often right after the baseline. Absolute times
@@ -38,7 +40,7 @@ By default one run is one full batch: B prompts at batch size B. `--prompts N`
 runs N prompts at every batch size instead (continuous batching in both).
 
 `--quick` is what `make bench` runs (QUICK below): batch sizes 1,4,16, depths
-0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, 5 rounds, prompts clipped
+0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, 5 rounds (20 at batch size 1), prompts clipped
 to their last 128 tokens.
 """
 
@@ -67,6 +69,7 @@ QUICK = dict(
     max_tokens=64, repeats=5, max_prompt_tokens=128,
 )
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
+SHORT_RUN_PROMPTS = 4  # runs of fewer prompts get proportionally more rounds (BenchPlan.rounds)
 
 BARE_COST_ROUNDS = 21
 REPO_PROMPTS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "prompts.parquet"
@@ -111,6 +114,14 @@ class BenchPlan:
             raise ValueError("num_prompts must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1")
+
+    def rounds(self, batch_size: int) -> int:
+        """Rounds at one batch size: `repeats`, times SHORT_RUN_PROMPTS // prompts
+        per run when a run has fewer prompts than that. A one-prompt run here
+        lasts about 0.3 s and varies by +-15% from run to run; more rounds
+        give its median about the decoding a run of SHORT_RUN_PROMPTS has."""
+        per_run = self.num_prompts or batch_size
+        return self.repeats * max(1, SHORT_RUN_PROMPTS // per_run)
 
     def cost_depths(self, max_depth_auto: int) -> List[int]:
         """Verify depths whose cost a prediction needs ("auto" may pick any up to its max)."""
@@ -224,7 +235,7 @@ def bench_setting(reference, runtimes: Dict[Depth, object], batch, B: int, t: fl
     pairs: Dict[Depth, List[Tuple[Run, Run]]] = {d: [] for d in runtimes}
     base_runs: List[Run] = []
     order = list(engines)
-    for r in range(plan.repeats):
+    for r in range(plan.rounds(B)):
         base = baseline(max_tokens=plan.max_tokens)
         base_runs.append(base)
         for d in order[r % len(order):] + order[: r % len(order)]:
@@ -486,6 +497,7 @@ def header_record(model_path: Path, plan: BenchPlan, num_prompts: int, prompt_so
             "depths": list(plan.depths),
             "temperatures": list(plan.temperatures),
             "repeats": plan.repeats,
+            "rounds_by_batch_size": {str(B): plan.rounds(B) for B in plan.batch_sizes},
             "seed": plan.seed,
             "warmup_tokens": min(plan.max_tokens, WARMUP_TOKENS),
             "acceptance": "residual",

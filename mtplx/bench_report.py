@@ -107,7 +107,7 @@ def _describe(h: dict) -> List[str]:
         f"model: {h['model']}",
         f"prompts: {p['count']} from {p['source']}, {p['per_run']} per run, "
         f"clipped to {p.get('max_prompt_tokens') or 'no'} tokens; max_tokens {h['max_tokens']}; "
-        f"repeats {s['repeats']}; seed {s['seed']}",
+        f"repeats {s['repeats']}{_rounds(s)}; seed {s['seed']}",
         f"machine: {m['processor']}, {m['cpu_count']} CPUs, {m['platform']}",
         "versions: " + ", ".join(f"{k} {val}" for k, val in v.items())
         + f"; BLAS: {h['blas']['name']}{_thread_timeout(h['blas'])}; malloc: {h.get('allocator', '-')}",
@@ -179,3 +179,10 @@ def _num(x, fmt: str) -> str:
 def _thread_timeout(blas: dict) -> str:
     t = blas.get("openblas_thread_timeout")
     return f" (thread timeout 2^{t} cycles)" if t and blas.get("name") == "OpenBLAS" else ""
+
+
+def _rounds(settings: dict) -> str:
+    """The rounds where short runs got more of them (mtplx.bench.BenchPlan.rounds)."""
+    by_b = settings.get("rounds_by_batch_size") or {}
+    more = {b: n for b, n in by_b.items() if n != settings["repeats"]}
+    return " (" + ", ".join(f"{n} rounds at B={b}" for b, n in more.items()) + ")" if more else ""
