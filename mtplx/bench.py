@@ -71,7 +71,9 @@ QUICK = dict(
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
 SHORT_RUN_PROMPTS = 4  # runs of fewer prompts get proportionally more rounds (BenchPlan.rounds)
 
-BARE_COST_ROUNDS = 21
+# Bare-cost rounds before a batch size's runs; one more follows each round of
+# runs (21 in all at 5 rounds per temperature, as many as one go took before).
+BARE_COST_ROUNDS_FIRST = 11
 REPO_PROMPTS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "prompts.parquet"
 
 # Used when jobs/data/prompts.parquet is absent (an installed wheel) or pyarrow is.
@@ -201,29 +203,34 @@ def run_bench(
 
 
 def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B: int, log) -> List[dict]:
-    """Bare costs, then every temperature x depth at batch size B (`reference`:
-    the same checkpoint loaded for the mlx-lm baseline)."""
-    from .costs import measure_bare_costs
+    """Every temperature x depth at batch size B, with the bare costs sampled
+    before and between the rounds (`reference`: the same checkpoint loaded
+    for the mlx-lm baseline)."""
+    from .costs import BareCostSampler
     from .mtp_patch import MTPContract
     from .runtime import MTPLXRuntime
 
     batch = take_prompts(pool, plan.num_prompts or B)
     context = round(statistics.mean(len(p) for p in batch) + plan.max_tokens / 2)
     max_auto = MTPContract(depth="auto").max_depth_auto
-    log(f"batch {B}: bare costs at context {context}")
-    # 21 interleaved rounds (the step's fastest anchors the rest): on a shared 2-core VM fewer rounds
-    # left the one-token step 25% slow in one bench, which inflates every prediction.
-    costs = measure_bare_costs(model, B, depths=plan.cost_depths(max_auto), context=context, repeats=BARE_COST_ROUNDS)
+    log(f"batch {B}: bare costs at context {context}, sampled before and between rounds")
+    bare = BareCostSampler(model, B, plan.cost_depths(max_auto), context)
+    bare.sample(BARE_COST_ROUNDS_FIRST)
     # Built once per batch size: "auto" calibrates (times its own cycles) when built.
     runtimes = {d: MTPLXRuntime(model, MTPContract(depth=d), max_batch=B) for d in plan.depths}
+    rounds = {t: run_rounds(reference, runtimes, batch, B, t, plan, between_rounds=lambda: bare.sample(1))
+              for t in plan.temperatures}
+    costs = bare.costs()  # over every round of this batch size, so the runs' slow spells too
     records = []
-    for t in plan.temperatures:
-        records += bench_setting(reference, runtimes, batch, B, t, costs, plan, log)
+    for t, (base_runs, pairs) in rounds.items():
+        records += setting_records(runtimes, B, t, base_runs, pairs, costs, plan, log)
     return records
 
 
-def bench_setting(reference, runtimes: Dict[Depth, object], batch, B: int, t: float, costs, plan: BenchPlan, log) -> List[dict]:
-    """Baseline and every depth at one (batch size, temperature)."""
+def run_rounds(reference, runtimes: Dict[Depth, object], batch, B: int, t: float, plan: BenchPlan,
+               between_rounds: Callable[[], None] = lambda: None):
+    """The baseline and every depth at one (batch size, temperature), after a
+    warm-up: (baseline runs, {depth: [(its round's baseline run, run)]})."""
     warmup = min(plan.max_tokens, WARMUP_TOKENS)
     baseline = partial(run_baseline, reference, batch, temperature=t, seed=plan.seed, batch_size=B)
     baseline(max_tokens=warmup)
@@ -240,6 +247,13 @@ def bench_setting(reference, runtimes: Dict[Depth, object], batch, B: int, t: fl
         base_runs.append(base)
         for d in order[r % len(order):] + order[: r % len(order)]:
             pairs[d].append((base, engines[d](max_tokens=plan.max_tokens)))
+        between_rounds()
+    return base_runs, pairs
+
+
+def setting_records(runtimes: Dict[Depth, object], B: int, t: float, base_runs: List[Run],
+                    pairs: Dict[Depth, List[Tuple[Run, Run]]], costs, plan: BenchPlan, log) -> List[dict]:
+    """The baseline's record, then each depth's."""
     records = []
     for d, rt in runtimes.items():
         rec = mtplx_record(rt, d, B, t, pairs[d], costs, plan)

@@ -5,7 +5,7 @@
 - `head_s`: one head forward of 1 token per row (a draft step).
 Costs are measured with the slot caches and the compiled passes the runtime
 uses (`mtplx.compiled.SlotPass`), at a given batch size and context length,
-anchored to the step's fastest of interleaved rounds (`measure_bare_costs`). `CycleCosts`
+anchored to the step's fastest of interleaved rounds (`BareCostSampler`). `CycleCosts`
 are the runtime's own whole cycles (`measure_cycle_costs`).
 """
 
@@ -95,18 +95,66 @@ def measure_bare_costs(
     repeats: int = 9,
     compiled: bool = True,
 ) -> BareCosts:
-    """Wall time of the bare passes on a warm cache of `context` tokens.
+    """Wall time of the bare passes on a warm cache of `context` tokens, in
+    `repeats` interleaved rounds at once (`BareCostSampler` spreads them)."""
+    sampler = BareCostSampler(model, batch_size, depths, context, compiled)
+    sampler.sample(repeats)
+    return sampler.costs()
 
-    The passes are timed in interleaved rounds (bursts of back-to-back
-    calls). The step keeps its fastest round (interference on a shared
+
+class BareCostSampler:
+    """The bare passes, ready to be timed in interleaved rounds (bursts of
+    back-to-back calls) whenever `sample` is called; `costs` pools every
+    round so far. The step keeps its fastest round (interference on a shared
     machine only ever adds time); every other pass is the step times the
     median of its ratios to the step within a round, since interleaving
     exposes neighbouring bursts to the same slow spells and the ratios are
     what the predictions use. A verify includes the commit that selects each
     row's gated-delta state, as the runtime pays it.
+
+    Rounds taken in one go can all fall in one slow spell of the machine:
+    on this 2-core VM such a spell adds about the same time to every pass,
+    which pulls the ratios towards 1 (verify k=2 over the step measured
+    1.29-1.30 in two such spells, 1.39-1.51 otherwise). Sampled between the
+    benchmark's own rounds, they cover the same spells as the runs they
+    predict.
     """
-    lay_out_for_cpu_gemm(model)  # the weights as the runtime decodes with them
-    B = batch_size
+
+    def __init__(self, model, batch_size: int, depths: Sequence[int], context: int, compiled: bool = True):
+        lay_out_for_cpu_gemm(model)  # the weights as the runtime decodes with them
+        self.batch_size, self.context, self.depths = batch_size, context, list(depths)
+        self.passes = _bare_passes(model, batch_size, self.depths, context, compiled)
+        self.times: Dict = {name: [] for name in self.passes}
+        self._warm = False
+
+    def sample(self, rounds: int) -> None:
+        """Time `rounds` more interleaved rounds of every pass."""
+        times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if self._warm else 2)
+        self._warm = True
+        for name, ts in times.items():
+            self.times[name] += ts
+
+    def costs(self) -> BareCosts:
+        best = _anchored_to(self.times, anchor="step")
+        return BareCosts(
+            batch_size=self.batch_size,
+            context=self.context,
+            step_s=best["step"],
+            verify_s={k: best[k] for k in self.depths},
+            head_s=best.get("head", 0.0),
+        )
+
+
+# A round times each pass over a burst of calls, each launched before the
+# previous one is read, as the runtime launches cycles (on the CPU backend
+# that overlaps little).
+BURST = 4
+
+
+def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: bool) -> dict:
+    """name -> a function running that pass once and returning its outputs:
+    "step" (1 token per row), k (a verify over k+1 tokens) and "head"; each
+    on its own warm caches, rolled back to `context` after every call."""
     tokens = mx.zeros((B, max(depths, default=0) + 1), dtype=mx.int32)
 
     def trunk_pass(T):
@@ -128,14 +176,7 @@ def measure_bare_costs(
         head_cache = _warm_head(model, B, context)[:1]
         run = SlotPass(head_layer(model.head, 0), keep_pending=False, compiled=compiled)
         passes["head"] = _rolled_back(head_cache, lambda: run((hidden, tokens[:, :1]), head_cache, T=1))
-    best = _step_anchored_rounds(passes, repeats)
-    return BareCosts(
-        batch_size=B,
-        context=context,
-        step_s=best["step"],
-        verify_s={k: best[k] for k in depths},
-        head_s=best.get("head", 0.0),
-    )
+    return passes
 
 
 def measure_cycle_costs(
@@ -216,7 +257,12 @@ def _shaped_by_bare(times: Dict[int, list], bare: BareCosts):
 def _anchored_to(times: Dict, anchor=0) -> Dict:
     """Per entry, the anchor's fastest round (depth 0's, or the bare step's)
     x the median of the entry's same-round ratios to the anchor (rounds
-    without a time skipped); without the anchor, the fastest round."""
+    without a time skipped); without the anchor, the fastest round.
+
+    Each entry's own fastest round would give ratios that move with
+    whichever round happened to be quick for it: over five measurements at
+    batch 1 here, verify k=1 over the step spread 1.155-1.301 that way and
+    1.164-1.253 as same-round ratios (k=2: 1.280-1.581 and 1.280-1.451)."""
     if anchor not in times:
         return {k: _fastest(ts) for k, ts in times.items()}
     base = _fastest(times[anchor])
@@ -230,20 +276,6 @@ def _anchored_to(times: Dict, anchor=0) -> Dict:
 def _fastest(ts) -> float:
     """The fastest round with a time (inf when none has one)."""
     return min((t for t in ts if not math.isnan(t)), default=float("inf"))
-
-
-def _step_anchored_rounds(passes: dict, repeats: int, burst: int = 4) -> dict:
-    """Per pass, seconds per call: the step's fastest round x the median of
-    the pass's same-round ratios to the step. A round is a burst of
-    back-to-back calls, each launched before the previous one is read, as the
-    runtime launches cycles (on the CPU backend that overlaps little).
-
-    Each pass's own fastest round would give ratios that move with whichever
-    round happened to be quick for it: over five measurements at batch 1
-    here, verify k=1 over the step spread 1.155-1.301 that way and
-    1.164-1.253 as same-round ratios (k=2: 1.280-1.581 and 1.280-1.451)."""
-    times = interleaved_times(passes, repeats, burst=burst, warmups=2)
-    return _anchored_to(times, anchor="step")
 
 
 def interleaved_times(fns: dict, repeats: int, burst: int = 1, warmups: int = 1) -> Dict[str, list]:

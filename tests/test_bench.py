@@ -173,7 +173,7 @@ class _FakeRuntime:
         self.stats = {}
 
 
-def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_after_a_warm_up(monkeypatch):
+def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_then_bare_costs(monkeypatch):
     calls = []
     speeds = iter([50, 60, 100, 10, 130, 12, 5, 6, 7])  # tok/s of successive timed calls
 
@@ -193,11 +193,13 @@ def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_after_a_wa
     plan = BenchPlan((1,), (0, 1), (0.0,), 8, 4, 2, 0)  # 4 prompts per run: 2 rounds
     monkeypatch.setattr(bench, "WARMUP_TOKENS", 4)
     costs = BareCosts(batch_size=1, context=8, step_s=1.0, verify_s={1: 1.0}, head_s=0.1)
-    recs = bench.bench_setting(None, {0: _FakeRuntime(0), 1: _FakeRuntime(1)}, [[1, 2]], 1, 0.0, costs, plan, lambda s: None)
+    runtimes = {0: _FakeRuntime(0), 1: _FakeRuntime(1)}
+    base_runs, pairs = bench.run_rounds(None, runtimes, [[1, 2]], 1, 0.0, plan, lambda: calls.append("bare"))
+    recs = bench.setting_records(runtimes, 1, 0.0, base_runs, pairs, costs, plan, lambda s: None)
     assert calls == [
         ("mlx_lm", 4), (0, 4), (1, 4),
-        ("mlx_lm", 8), (0, 8), (1, 8),  # round 1
-        ("mlx_lm", 8), (1, 8), (0, 8),  # round 2: the order rotates
+        ("mlx_lm", 8), (0, 8), (1, 8), "bare",  # round 1, then a round of bare costs
+        ("mlx_lm", 8), (1, 8), (0, 8), "bare",  # round 2: the order rotates
     ]
     base, d0, d1 = recs
     assert base["engine"] == "mlx_lm" and base["runs"] == 2
@@ -207,6 +209,23 @@ def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_after_a_wa
     assert d1["paired_ratios"] == pytest.approx([100 / 50, 130 / 10])
     assert d0["run_tokens_per_s"] == pytest.approx([60, 12]) and d1["run_tokens_per_s"] == pytest.approx([100, 130])
     assert d1["measured_speedup"] == pytest.approx(statistics.median([100 / 60, 130 / 12]))
+
+
+def test_bare_cost_sampler_pools_every_round_and_anchors_to_the_fastest_step(tiny_model):
+    from mtplx import load
+    from mtplx.costs import BareCostSampler
+
+    sampler = BareCostSampler(load(tiny_model), 2, depths=[1, 2], context=6)
+    sampler.sample(2)
+    sampler.sample(1)  # e.g. between two rounds of runs
+    assert {name: len(ts) for name, ts in sampler.times.items()} == {"step": 3, 1: 3, 2: 3, "head": 3}
+    c = sampler.costs()
+    assert c.batch_size == 2 and c.context == 6 and set(c.verify_s) == {1, 2} and c.step_s > 0 and c.head_s > 0
+    # the step's fastest round x the median of each pass's same-round ratios
+    sampler.times = {"step": [2.0, 1.0, 3.0], 1: [3.0, 1.6, 6.0], 2: [4.0, 2.5, 9.0], "head": [0.2, 0.1, 0.9]}
+    c = sampler.costs()
+    assert c.step_s == 1.0
+    assert c.verify_s == pytest.approx({1: 1.6, 2: 2.5}) and c.head_s == pytest.approx(0.1)
 
 
 # ------------------------------------------------------------ a real tiny run

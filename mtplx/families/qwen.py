@@ -208,13 +208,13 @@ def _recurrence(gdn, q, k, v, a, b, state):
     each step so commit can pick each row's state instead of replaying.
 
     Per step these are the ops of mlx-lm's reference recurrence
-    (`gated_delta_ops`, which the layer runs on the CPU), on the same values.
-    At decode sizes every graph node costs more dispatch time than its
-    arithmetic, so what does not depend on the step is done once for all S
+    (`gated_delta_ops`, which the layer runs on the CPU), on the same values
+    (bit for bit). What does not depend on the step is done once for all S
     steps: the gates, the grouped-query repeat, and the shapes each step
-    broadcasts in (a step then only slices its inputs, one node each,
-    instead of a Slice, Squeeze and ExpandDims per input, and keeps a unit
-    step axis instead of expanding delta).
+    broadcasts in. A step then slices each input with one node instead of a
+    Slice, Squeeze and ExpandDims, and keeps a unit step axis instead of
+    expanding delta: a verify over 4 tokens has ~560 fewer graph nodes to
+    trace and replay (view nodes cost little to run, so speed barely moved).
     q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], a, b [B, S, Hv], state [B, Hv, Dv, Dk].
     """
     B, S, Hv, Dv = v.shape
