@@ -314,7 +314,7 @@ def target_probs(logits: mx.array, bs: BatchSampling) -> mx.array:
     else:
         if bs.any_filter:  # the full-vocabulary sort only when some row filters
             z = _filter_logits(z, col(bs.top_k), col(bs.top_p), col(bs.min_p))
-        probs = mx.exp(log_softmax_f32(z))  # [B, T, V]
+        probs = mx.softmax(z, axis=-1)  # [B, T, V]
         probs = mx.where(greedy, _one_hot(_lowest_argmax(x), V), probs)
     broken = mx.any(mx.isnan(x) | (x == mx.inf), axis=-1, keepdims=True)  # [B, T, 1]
     return mx.where(broken, mx.nan, probs)
