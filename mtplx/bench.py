@@ -38,6 +38,11 @@ mean decode context, which give `predicted_speedup`.
 
 By default one run is one full batch: B prompts at batch size B. `--prompts N`
 runs N prompts at every batch size instead (continuous batching in both).
+Each round takes the next prompts of the pool (every engine of a round runs
+the same ones), so that a batch size's acceptance is measured over as many
+prompts as it has rounds x prompts per run, not over its first B alone: the
+first prompt alone accepted 0.80 at depth 1 at temperature 1, where the
+model's 128 held-out prompts accept 0.70, which is what "auto" plans from.
 
 `--quick` is what `make bench` runs (QUICK below): batch sizes 1,4,16, depths
 0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, 5 rounds (20 at batch size 1), prompts clipped
@@ -211,15 +216,16 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     from .mtp_patch import MTPContract
     from .runtime import MTPLXRuntime
 
-    batch = take_prompts(pool, plan.num_prompts or B)
-    context = round(statistics.mean(len(p) for p in batch) + plan.max_tokens / 2)
+    n = plan.num_prompts or B
+    batches = [take_prompts(pool, n, start=r * n) for r in range(plan.rounds(B))]  # one per round
+    context = round(statistics.mean(len(p) for batch in batches for p in batch) + plan.max_tokens / 2)
     max_auto = MTPContract(depth="auto").max_depth_auto
     log(f"batch {B}: bare costs at context {context}, sampled before and between rounds")
     bare = BareCostSampler(model, B, plan.cost_depths(max_auto), context)
     bare.sample(BARE_COST_ROUNDS_FIRST)
     # Built once per batch size: "auto" calibrates (times its own cycles) when built.
     runtimes = {d: MTPLXRuntime(model, MTPContract(depth=d), max_batch=B) for d in plan.depths}
-    rounds = {t: run_rounds(reference, runtimes, batch, B, t, plan, between_rounds=lambda: bare.sample(1))
+    rounds = {t: run_rounds(reference, runtimes, batches, B, t, plan, between_rounds=lambda: bare.sample(1))
               for t in plan.temperatures}
     costs = bare.costs()  # over every round of this batch size, so the runs' slow spells too
     records = []
@@ -228,26 +234,28 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     return records
 
 
-def run_rounds(reference, runtimes: Dict[Depth, object], batch, B: int, t: float, plan: BenchPlan,
-               between_rounds: Callable[[], None] = lambda: None):
-    """The baseline and every depth at one (batch size, temperature), after a
-    warm-up: (baseline runs, {depth: [(its round's baseline run, run)]})."""
+def run_rounds(reference, runtimes: Dict[Depth, object], batches: Sequence[List[List[int]]], B: int, t: float,
+               plan: BenchPlan, between_rounds: Callable[[], None] = lambda: None):
+    """The baseline and every depth at one (batch size, temperature), round r
+    on batches[r], after a warm-up on the first:
+    (baseline runs, {depth: [(its round's baseline run, run)]})."""
     warmup = min(plan.max_tokens, WARMUP_TOKENS)
-    baseline = partial(run_baseline, reference, batch, temperature=t, seed=plan.seed, batch_size=B)
-    baseline(max_tokens=warmup)
-    engines = {d: partial(run_engine, rt, batch, temperature=t, seed=plan.seed) for d, rt in runtimes.items()}
+    baseline = partial(run_baseline, reference, temperature=t, seed=plan.seed, batch_size=B)
+    baseline(batches[0], max_tokens=warmup)
+    engines = {d: partial(run_engine, rt, temperature=t, seed=plan.seed) for d, rt in runtimes.items()}
     for engine in engines.values():
-        engine(max_tokens=warmup)
+        engine(batches[0], max_tokens=warmup)
     # Rounds go over every depth in turn, so a slow spell of the machine hits
     # all depths alike instead of one depth's whole series; the order rotates.
     pairs: Dict[Depth, List[Tuple[Run, Run]]] = {d: [] for d in runtimes}
     base_runs: List[Run] = []
     order = list(engines)
     for r in range(plan.rounds(B)):
-        base = baseline(max_tokens=plan.max_tokens)
+        batch = batches[r % len(batches)]
+        base = baseline(batch, max_tokens=plan.max_tokens)
         base_runs.append(base)
         for d in order[r % len(order):] + order[: r % len(order)]:
-            pairs[d].append((base, engines[d](max_tokens=plan.max_tokens)))
+            pairs[d].append((base, engines[d](batch, max_tokens=plan.max_tokens)))
         between_rounds()
     return base_runs, pairs
 
@@ -504,6 +512,7 @@ def header_record(model_path: Path, plan: BenchPlan, num_prompts: int, prompt_so
             "count": num_prompts,
             "source": prompt_source,
             "per_run": plan.num_prompts or "batch size",
+            "rounds": "each round the next ones of the pool",
             "max_prompt_tokens": plan.max_prompt_tokens,
         },
         "max_tokens": plan.max_tokens,
@@ -627,9 +636,9 @@ def encode_prompts(tokenizer, prompts: Sequence[Union[str, Sequence[int]]], max_
     return pool if max_tokens is None else [ids[-max_tokens:] for ids in pool]
 
 
-def take_prompts(pool: List[List[int]], n: int) -> List[List[int]]:
-    """The first n prompts of the pool, cycling when it has fewer."""
-    return [pool[i % len(pool)] for i in range(n)]
+def take_prompts(pool: List[List[int]], n: int, start: int = 0) -> List[List[int]]:
+    """n prompts of the pool from index `start`, cycling when it runs out."""
+    return [pool[(start + i) % len(pool)] for i in range(n)]
 
 
 def _progress_printer(enabled: bool) -> Callable[[str], None]:

@@ -115,8 +115,9 @@ def test_auto_vs_best_pairs_auto_with_the_best_fixed_depths_run_of_each_round():
     assert "auto_vs_best" not in recs[1]
 
 
-def test_take_prompts_cycles_a_small_pool():
+def test_take_prompts_takes_n_from_a_start_cycling_a_small_pool():
     assert take_prompts([[1], [2]], 5) == [[1], [2], [1], [2], [1]]
+    assert take_prompts([[1], [2], [3]], 2, start=2) == [[3], [1]]  # a later round's prompts
 
 
 class _CharTokenizer:
@@ -179,12 +180,12 @@ def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_then_bare_
 
     def fake_baseline(model, prompts, max_tokens, temperature, seed, batch_size):
         n = max_tokens
-        calls.append(("mlx_lm", n))
+        calls.append(("mlx_lm", n, prompts[0][0]))
         return Run(100, 1.0, 0.0) if n == 4 else Run(100, 100 / next(speeds), 0.0)
 
     def fake_engine(rt, prompts, max_tokens, temperature, seed):
         n = max_tokens
-        calls.append((rt.depth, n))
+        calls.append((rt.depth, n, prompts[0][0]))
         outs = [_completion(tokens=n, steps=n - 1, drafted=[n - 1] * rt.depth, accepted=[1] * rt.depth)]
         return Run(100, 1.0, 0.0, outs) if n == 4 else Run(100, 100 / next(speeds), 0.0, outs)
 
@@ -194,12 +195,13 @@ def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_then_bare_
     monkeypatch.setattr(bench, "WARMUP_TOKENS", 4)
     costs = BareCosts(batch_size=1, context=8, step_s=1.0, verify_s={1: 1.0}, head_s=0.1)
     runtimes = {0: _FakeRuntime(0), 1: _FakeRuntime(1)}
-    base_runs, pairs = bench.run_rounds(None, runtimes, [[1, 2]], 1, 0.0, plan, lambda: calls.append("bare"))
+    batches = [[[1, 2]], [[3, 4]]]  # one per round
+    base_runs, pairs = bench.run_rounds(None, runtimes, batches, 1, 0.0, plan, lambda: calls.append("bare"))
     recs = bench.setting_records(runtimes, 1, 0.0, base_runs, pairs, costs, plan, lambda s: None)
     assert calls == [
-        ("mlx_lm", 4), (0, 4), (1, 4),
-        ("mlx_lm", 8), (0, 8), (1, 8), "bare",  # round 1, then a round of bare costs
-        ("mlx_lm", 8), (1, 8), (0, 8), "bare",  # round 2: the order rotates
+        ("mlx_lm", 4, 1), (0, 4, 1), (1, 4, 1),  # warm-up on the first round's prompts
+        ("mlx_lm", 8, 1), (0, 8, 1), (1, 8, 1), "bare",  # round 1, then a round of bare costs
+        ("mlx_lm", 8, 3), (1, 8, 3), (0, 8, 3), "bare",  # round 2: its own prompts, the order rotates
     ]
     base, d0, d1 = recs
     assert base["engine"] == "mlx_lm" and base["runs"] == 2
