@@ -137,18 +137,23 @@ class DepthController:
 
     When no depth is predicted to beat plain decoding by the margin after
     `min_rows` row-cycles, speculation goes off (no head work). The counts
-    keep decaying while it is off, so after `retry_rows` row-cycles the
-    estimate has moved back toward the prior and speculation is tried again.
+    keep decaying while it is off, so the estimate moves back toward the
+    prior. Only a cycle that drafts measures acceptance, so after
+    `retry_rows` row-cycles off, speculation is tried again for at least
+    `probe_rows` row-cycles whatever the estimate: a job whose prompts accept
+    better than the prior would otherwise never find out (greedy rows' output
+    does not depend on the depth, so a probe only costs time).
     Early cycles of a row accept less than later ones, which is why a single
     bad spell must not switch it off for good. Rows that lived through an off
     spell draft from a head history with gaps: that lowers their acceptance,
     never their output. `start_off`: begin with speculation off, as when the
-    prior is not predicted to pay; it then goes on only once it is.
+    prior is not predicted to pay; it then goes on at its first probe.
     """
 
     def __init__(self, costs: CycleCosts, prior: Sequence[float], max_depth: int,
                  half_life_rows: float = 256.0, prior_weight: float = 32.0,
-                 min_rows: int = 256, retry_rows: int = 1024, start_off: bool = False):
+                 min_rows: int = 256, retry_rows: int = 1024, probe_rows: int = 64,
+                 start_off: bool = False):
         self.costs = costs
         self.max_depth = max_depth
         self.prior_passed = prior_weight * np.array(conditional_rates(prior[:max_depth]))  # [K]
@@ -158,6 +163,8 @@ class DepthController:
         self.half_life_rows = half_life_rows
         self.min_rows = min_rows
         self.retry_rows = retry_rows
+        self.probe_rows = probe_rows
+        self.probing = False  # on for a probe, not because the estimate pays
         self.rows_seen = 0  # row-cycles since speculation last went on or off
         self.off = start_off  # off from the start when the prior does not pay
 
@@ -183,10 +190,12 @@ class DepthController:
         scores = {k: predicted_speedup(self.costs, acc, k) for k in range(1, self.max_depth + 1)}
         best = fastest_depth(scores)
         pays = max(scores.values()) >= SPECULATION_MARGIN
-        if self.off and pays and self.rows_seen >= self.retry_rows:
-            self.off, self.rows_seen = False, 0
-        elif not self.off and not pays and self.rows_seen >= self.min_rows:
+        if self.off and self.rows_seen >= self.retry_rows:
+            self.off, self.rows_seen, self.probing = False, 0, True
+        elif not self.off and not pays and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows):
             self.off, self.rows_seen = True, 0
+        if pays:
+            self.probing = False
         return 0 if self.off else best
 
 

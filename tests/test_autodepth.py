@@ -116,6 +116,22 @@ def test_controller_switches_speculation_off_when_nothing_is_accepted_and_retrie
     assert c.choose() > 0  # 1,200 row-cycles later the prior speaks again
 
 
+def test_an_off_controller_probes_and_stays_on_only_if_the_running_acceptance_pays():
+    costs = _costs(10.0, {1: 14.0, 2: 17.0, 3: 20.0}, 0.0)
+    poor_prior = [0.3, 0.1, 0.03]  # depth 1: 1.3 x 10 / 14 = 0.93, no depth pays
+    for accepted, stays_on in ((1, True), (0, False)):  # the job's prompts: all d_1 accepted, or none
+        c = DepthController(costs, poor_prior, 3, retry_rows=256, probe_rows=64, start_off=True)
+        for _ in range(31):  # off: nothing drafted, nothing learnt
+            assert c.choose() == 0
+            _cycle(c, rows=8, accepted=0, drafted=0)
+        _cycle(c, rows=8, accepted=0, drafted=0)  # 256 row-cycles off
+        assert c.choose() > 0  # a probe, although the estimate still does not pay
+        for _ in range(16):  # 128 row-cycles, past the probe's 64
+            _cycle(c, rows=8, accepted=accepted, drafted=1)
+            k = c.choose()
+        assert (k > 0) == stays_on, (accepted, c.acceptance())
+
+
 class _Scripted:
     """A controller that plays a fixed sequence of depths (0 included)."""
 
