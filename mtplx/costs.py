@@ -125,12 +125,12 @@ class BareCostSampler:
         self.batch_size, self.context, self.depths = batch_size, context, list(depths)
         self.passes = _bare_passes(model, batch_size, self.depths, context, compiled)
         self.times: Dict = {name: [] for name in self.passes}
-        self._warm = False
 
     def sample(self, rounds: int) -> None:
-        """Time `rounds` more interleaved rounds of every pass."""
-        times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if self._warm else 2)
-        self._warm = True
+        """Time `rounds` more interleaved rounds of every pass (the first
+        call warms them up: tracing and kernel builds)."""
+        warm = bool(self.times["step"])
+        times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if warm else 2)
         for name, ts in times.items():
             self.times[name] += ts
 

@@ -55,10 +55,10 @@ def with_preloads(env: dict) -> dict:
 
 
 def reexec_with_preloads() -> None:
-    if os.environ.get(_GUARD) or with_preloads(dict(os.environ)) == dict(os.environ):
+    env = with_preloads(dict(os.environ))
+    if os.environ.get(_GUARD) or env == dict(os.environ):
         return
-    env = {**with_preloads(dict(os.environ)), _GUARD: "1"}
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "pipeline.cli", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-m", "pipeline.cli", *sys.argv[1:]], {**env, _GUARD: "1"})
     except OSError:
         return  # run on, slower, rather than fail
