@@ -26,8 +26,9 @@ depend on the depth each of its cycles used:
 - **adaptive**: when every row in the batch is greedy, or the job uses the
   coupled rule, output does not depend on the depth at all, so each cycle runs
   at the depth that the running acceptance (`DepthController`) predicts to be
-  fastest. If no depth is predicted to beat plain decoding by the margin any
-  more, the controller switches speculation off, and tries it again later.
+  fastest. Speculation goes on where a depth is predicted to beat plain
+  decoding by the margin; once no depth is predicted to beat it at all, the
+  controller switches speculation off, and tries it again later.
 
 The choice, its inputs and the cycles run at each depth are in
 `runtime.stats["auto_depth"]` (and so in the job summary).
@@ -88,6 +89,16 @@ def extend_geometrically(cumulative: Sequence[float], depths: int) -> List[float
 # depth 1 measured 1.10x (greedy) and 1.25x (temperature 1) over it.
 SPECULATION_MARGIN = 1.05
 
+# A controller that is speculating (not probing) goes off only once no depth
+# is predicted to beat plain decoding at all. Between 1 and the margin
+# speculation still pays as predicted, and a greedy row's output does not
+# depend on the depth, so the margin only guards turning it on. At batch 4
+# here depth 1 is predicted 1.05-1.10 over plain with the greedy prior: one
+# batch of prompts that accepted a little less than it took the controller
+# off (212 of 282 cycles plain in a bench where depth 1 measured 1.27x over
+# plain), and a probe comes only every `retry_rows`.
+KEEP_SPECULATING_ABOVE = 1.0
+
 # A deeper depth must be predicted to win by this much over a shallower one:
 # the cycle costs carry a few percent of timing noise, and a deeper depth's
 # rows finish a batch less evenly, which the prediction does not see. (At
@@ -135,8 +146,9 @@ class DepthController:
     on top of `prior_weight` pseudo-rows at the prior's rates, so one cycle
     cannot swing the choice and a depth not tried lately keeps its prior.
 
-    When no depth is predicted to beat plain decoding by the margin after
-    `min_rows` row-cycles, speculation goes off (no head work). The counts
+    When no depth is predicted to beat plain decoding any more
+    (`KEEP_SPECULATING_ABOVE`) after `min_rows` row-cycles, speculation goes
+    off (no head work); turning it on takes the margin. The counts
     keep decaying while it is off, so the estimate moves back toward the
     prior. Only a cycle that drafts measures acceptance, so after
     `retry_rows` row-cycles off, speculation is tried again for at least
@@ -190,9 +202,10 @@ class DepthController:
         scores = {k: predicted_speedup(self.costs, acc, k) for k in range(1, self.max_depth + 1)}
         best = fastest_depth(scores)
         pays = max(scores.values()) >= SPECULATION_MARGIN
+        keeps = pays if self.probing else max(scores.values()) >= KEEP_SPECULATING_ABOVE
         if self.off and self.rows_seen >= self.retry_rows:
             self.off, self.rows_seen, self.probing = False, 0, True
-        elif not self.off and not pays and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows):
+        elif not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows):
             self.off, self.rows_seen = True, 0
         if pays:
             self.probing = False

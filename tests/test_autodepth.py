@@ -132,6 +132,30 @@ def test_an_off_controller_probes_and_stays_on_only_if_the_running_acceptance_pa
         assert (k > 0) == stays_on, (accepted, c.acceptance())
 
 
+def test_a_speculating_controller_keeps_on_while_a_depth_still_beats_plain_and_needs_the_margin_to_go_on():
+    # Depth 1 only, cycle 14 against a step of 10: it is predicted to pay
+    # (1 + a) x 10 / 14, i.e. 1.05 (SPECULATION_MARGIN) at a = 0.47 and
+    # 1.0 (KEEP_SPECULATING_ABOVE) at a = 0.4.
+    costs = _costs(10.0, {1: 14.0}, 0.0)
+    for a, on in ((0.44, True), (0.36, False)):  # 1.008 and 0.952 at the running acceptance
+        c = DepthController(costs, [0.6], 1, min_rows=64, prior_weight=1.0)
+        assert c.choose() == 1  # the prior: 1.6 x 10 / 14 = 1.14
+        accepted = (np.arange(25) < 25 * a).astype(np.int64)  # 11 or 9 of 25 rows
+        for _ in range(40):  # 1,000 row-cycles
+            c.observe(accepted, np.ones(25, dtype=np.int64))
+            k = c.choose()
+        assert c.acceptance()[0] == pytest.approx(a, abs=0.01)
+        assert (k == 1) == on, (a, c.acceptance())
+    # Off, the same acceptance does not turn it back on: a probe needs the margin.
+    c = DepthController(costs, [0.44], 1, min_rows=64, retry_rows=64, probe_rows=32, start_off=True)
+    assert c.choose() == 0
+    _cycle(c, rows=64, accepted=0, drafted=0)
+    assert c.choose() == 1 and c.probing
+    for _ in range(8):
+        c.observe(np.array([1, 1, 1, 1, 0, 0, 0, 0, 0]), np.ones(9, dtype=np.int64))  # a = 0.44
+        k = c.choose()
+    assert k == 0
+
 class _Scripted:
     """A controller that plays a fixed sequence of depths (0 included)."""
 
