@@ -142,11 +142,11 @@ def test_default_prompts_come_from_the_prompts_parquet_else_the_built_in_list(tm
     assert bench.default_prompts() == (list(bench.BUILTIN_PROMPTS), "built-in")
 
 
-def test_runs_of_fewer_than_four_prompts_get_proportionally_more_rounds():
+def test_runs_of_fewer_than_eight_prompts_get_proportionally_more_rounds_up_to_four_times():
     one_batch = BenchPlan((1, 2, 4, 16), (0,), (0.0,), 8, None, 5, 0)
-    assert [one_batch.rounds(B) for B in (1, 2, 3, 4, 16)] == [20, 10, 5, 5, 5]
-    two_prompts = BenchPlan((1, 16), (0,), (0.0,), 8, 2, 3, 0)  # --prompts 2 at every batch size
-    assert [two_prompts.rounds(B) for B in (1, 16)] == [6, 6]
+    assert [one_batch.rounds(B) for B in (1, 2, 3, 4, 5, 8, 16)] == [20, 20, 10, 10, 5, 5, 5]
+    three_prompts = BenchPlan((1, 16), (0,), (0.0,), 8, 3, 3, 0)  # --prompts 3 at every batch size
+    assert [three_prompts.rounds(B) for B in (1, 16)] == [6, 6]
 
 
 def test_plan_rejects_bad_depths_and_sizes():
@@ -191,7 +191,7 @@ def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_then_bare_
 
     monkeypatch.setattr(bench, "run_baseline", fake_baseline)
     monkeypatch.setattr(bench, "run_engine", fake_engine)
-    plan = BenchPlan((1,), (0, 1), (0.0,), 8, 4, 2, 0)  # 4 prompts per run: 2 rounds
+    plan = BenchPlan((1,), (0, 1), (0.0,), 8, 8, 2, 0)  # 8 prompts per run: 2 rounds
     monkeypatch.setattr(bench, "WARMUP_TOKENS", 4)
     costs = BareCosts(batch_size=1, context=8, step_s=1.0, verify_s={1: 1.0}, head_s=0.1)
     runtimes = {0: _FakeRuntime(0), 1: _FakeRuntime(1)}
