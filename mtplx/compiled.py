@@ -60,7 +60,7 @@ class SlotPass:
     def _pure(self, *flat):
         n_arrays = sum(3 if k is SlotKVCache else 2 for k in self._kinds)
         inputs, arrays = flat[: len(flat) - n_arrays], flat[len(flat) - n_arrays :]
-        shadows = _shadow_caches(self._kinds, arrays, T=_steps(inputs))
+        shadows = shadow_caches(self._kinds, arrays, T=_steps(inputs))
         out = self.run(*inputs, shadows)
         out = list(out) if isinstance(out, tuple) else [out]
         return out + _shadow_outputs(shadows, self.keep_pending)
@@ -91,9 +91,10 @@ def _cache_arrays(caches) -> list:
     return out
 
 
-def _shadow_caches(kinds, arrays, T: int) -> list:
+def shadow_caches(kinds, arrays, T: int) -> list:
     """Fresh cache objects over the traced arrays. A KV shadow reads its whole
-    capacity: host_max + T == capacity."""
+    capacity: host_max + T == capacity. Public because every compiled pass
+    over slot caches (`SlotPass`, `mtplx.draft_chain`) must build them alike."""
     it = iter(arrays)
     shadows = []
     for kind in kinds:

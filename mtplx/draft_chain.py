@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from .cache import SlotKVCache
-from .compiled import _shadow_caches
+from .compiled import shadow_caches
 from .decide import choose_draft, sampling_arrays
 
 
@@ -66,7 +66,7 @@ class DraftChain:
             n_sampled = 0 if greedy else 6  # keys [B, k, 2] + the five sampling arrays
             sampled, arrays = rest[:n_sampled], rest[n_sampled:]
             # Caches over the given arrays: their writes make new arrays, never touching these.
-            caches = dict(zip(used, _shadow_caches((SlotKVCache,) * len(used), arrays, T=1)))
+            caches = dict(zip(used, shadow_caches((SlotKVCache,) * len(used), arrays, T=1)))
             drafts, qs = [], []
             for i in range(1, k + 1):
                 keys_i = None if greedy else sampled[0][:, i - 1 : i]  # [B, 1, 2]
