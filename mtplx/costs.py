@@ -154,11 +154,16 @@ BURST = 4
 def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: bool) -> dict:
     """name -> a function running that pass once and returning its outputs:
     "step" (1 token per row), k (a verify over k+1 tokens) and "head"; each
-    on its own warm caches, rolled back to `context` after every call."""
+    starts from `context` positions, rolled back after every call.
+
+    The trunk passes share one set of caches, as the runtime's cycles do (a
+    `BareCostSampler` keeps them through a batch size's runs: one set per
+    pass would hold five KV caches of B x context of a large checkpoint). A
+    gated-delta state is not rolled back; its values do not change the cost."""
     tokens = mx.zeros((B, max(depths, default=0) + 1), dtype=mx.int32)
+    caches = _warm_trunk(model, B, context)
 
     def trunk_pass(T):
-        caches = _warm_trunk(model, B, context)
         run = SlotPass(model.forward, keep_pending=T > 1, compiled=compiled)
         keep = mx.ones((B,), dtype=mx.int32)
 
