@@ -35,7 +35,9 @@ from .prefill import Prefilled, prefill_batch
 from .sampling import (
     SamplingParams,
     batch_sampling,
+    keys_from_base,
     position_keys,
+    row_key_base,
     row_hash,
     speculative_accept,
     target_probs,
@@ -139,11 +141,11 @@ class MTPLXRuntime:
                     batch.flush(0)
                 if batch.any_active():
                     batch = batch.shrunk()
-                    self._set_sampling(batch)
+                    self._set_sampling(batch, seed)
                     self.stats["batch_shrinks"] += 1
             launched = None
             if batch.any_active():
-                launched = self._launch(batch, seed, int(inflight is not None), self._cycle_depth(batch))
+                launched = self._launch(batch, int(inflight is not None), self._cycle_depth(batch))
             if inflight is not None:
                 yield from self._collect(batch, inflight)
             inflight = launched
@@ -167,12 +169,18 @@ class MTPLXRuntime:
                     yield finished
                     continue
                 batch.load(b, pre, row, first)
-        batch.flush(in_flight)
-        self._set_sampling(batch)
+        if batch.flush(in_flight) or batch.sampling is None:
+            self._set_sampling(batch, seed)
 
     @staticmethod
-    def _set_sampling(batch: SlotBatch):
-        batch.sampling = batch_sampling([r.req.sampling if r is not None else SamplingParams() for r in batch.rows])
+    def _set_sampling(batch: SlotBatch, seed: int):
+        """The rows' sampling settings and key material as the device arrays
+        every cycle takes; they change only when rows come or go."""
+        rows = batch.rows
+        batch.sampling = batch_sampling([r.req.sampling if r is not None else SamplingParams() for r in rows])
+        batch.key_base = None if batch.sampling.all_greedy else row_key_base(
+            seed, [r.key_hash if r is not None else 0 for r in rows], [r.sample_index if r is not None else 0 for r in rows]
+        )  # [B] uint64
 
     def _may_end_rows(self, inf: "_InFlight") -> bool:
         """Whether the cycle in flight can take a row to its max_tokens. Then
@@ -249,15 +257,13 @@ class MTPLXRuntime:
             return auto.job_depth  # a residual-rule row's draws depend on the depth
         return auto.controller.choose()
 
-    def _launch(self, batch: SlotBatch, seed: int, in_flight: int, k: int) -> "_InFlight":
+    def _launch(self, batch: SlotBatch, in_flight: int, k: int) -> "_InFlight":
         t0 = time.perf_counter()
         rows = list(batch.rows)
         span = batch.span_bound(batch.trunk_len, in_flight)
         greedy = batch.sampling.all_greedy  # no random draws, no probability tensors
-        keys = None if greedy else position_keys(
-            seed,
-            [r.key_hash if r is not None else 0 for r in rows],
-            [r.sample_index if r is not None else 0 for r in rows],
+        keys = None if greedy else keys_from_base(
+            batch.key_base,
             batch.emitted[:, None] + mx.arange(k + 1, dtype=mx.int32)[None, :],
             compiled=self.contract.compile,
         )  # [B, k+1, 2]: the key of each completion position this cycle decides

@@ -201,8 +201,19 @@ def position_keys(seed: int, row_hashes, sample_index, positions: mx.array, comp
     seed None is read as 0. `compiled` runs the device mixing as one traced
     graph (integer ops: the same words either way).
     """
+    return keys_from_base(row_key_base(seed, row_hashes, sample_index), positions, compiled)
+
+
+def row_key_base(seed: int, row_hashes, sample_index) -> mx.array:
+    """uint64 [B]: each row's key material, which `keys_from_base` mixes
+    with positions; it changes only when the rows do (a decode batch keeps
+    it from cycle to cycle)."""
+    return mx.array(_row_base(seed, row_hashes, sample_index))
+
+
+def keys_from_base(base: mx.array, positions, compiled: bool = False) -> mx.array:
+    """uint32 [B, T, 2]: `position_keys` from rows' `row_key_base` [B]."""
     positions = mx.array(positions) if not isinstance(positions, mx.array) else positions
-    base = mx.array(_row_base(seed, row_hashes, sample_index))  # [B] uint64
     return (_keys_at_compiled if compiled else _keys_at)(base, positions)
 
 

@@ -69,6 +69,7 @@ class SlotBatch:
         self.cu_take = mx.zeros((size,), dtype=mx.int32)  # [B]
         self.cu_keep = mx.zeros((size,), dtype=mx.int32)  # [B]
         self.sampling = None  # BatchSampling of the rows in the slots
+        self.key_base = None  # [B] uint64 the rows' sampling keys derive from (None: all greedy)
         self._loads = []  # (slot, Prefilled, first token) waiting for flush
         self._released = set()  # slots to zero at flush
 
@@ -101,7 +102,10 @@ class SlotBatch:
         self.head_len[b] = 0
         self._released.add(b)
 
-    def flush(self, in_flight: int):
+    def flush(self, in_flight: int) -> bool:
+        """Apply the staged loads and releases; True when there were any."""
+        if not (self._loads or self._released):
+            return False
         trunk_span = self.span_bound(self.trunk_len, in_flight)
         head_span = self.span_bound(self.head_len, in_flight)
         if self._released:
@@ -119,6 +123,7 @@ class SlotBatch:
             self._released.clear()
         if self._loads:
             self._write_loads(trunk_span, head_span)
+        return True
 
     def _write_loads(self, trunk_span: int, head_span: int):
         rows = mx.array([b for b, _, _ in self._loads], dtype=mx.int32)  # [R]
@@ -184,7 +189,7 @@ class SlotBatch:
         for name in ("primary", "emitted", "max_tokens", "active", "cu_tokens", "cu_take", "cu_keep"):
             setattr(out, name, getattr(self, name)[idx])
         out.cu_hidden = None if self.cu_hidden is None else self.cu_hidden[idx]
-        out.sampling = None  # the runtime sets it for the rows it holds
+        out.sampling = out.key_base = None  # the runtime sets them for the rows it holds
         out._loads, out._released = [], set()
         return out
 
