@@ -313,6 +313,27 @@ def test_with_bare_costs_the_shape_across_depths_is_theirs_and_the_overhead_is_p
     assert seconds[1] < seconds[2] < seconds[3]
 
 
+def test_greedy_rows_start_speculating_on_any_predicted_gain_while_a_job_depth_needs_the_margin(monkeypatch):
+    import types
+
+    import mtplx.autodepth as autodepth
+    from mtplx.costs import CycleCosts
+
+    bare = BareCosts(batch_size=4, context=64, step_s=10.0, verify_s={1: 14.0})
+    monkeypatch.setattr(autodepth, "measure_bare_costs", lambda *a, **k: bare)
+    monkeypatch.setattr(autodepth, "measure_cycle_costs", lambda *a, **k: CycleCosts(4, {0: 10.0, 1: 14.0}))
+    model = types.SimpleNamespace(head=object())
+    contract = MTPContract(depth="auto", max_depth_auto=1)
+    for prior, greedy_on in ((0.44, True), (0.36, False)):  # depth 1: 1.44 x 10 / 14 = 1.03, 1.36 x 10 / 14 = 0.97
+        monkeypatch.setattr(autodepth, "acceptance_prior", lambda model, depths, sampled=False: [prior])
+        plan = autodepth.plan_auto_depth(model, contract, max_batch=4)
+        assert plan.job_depth == 0  # 1.03 does not clear SPECULATION_MARGIN for a depth fixed on a prior
+        if greedy_on:
+            assert plan.record["greedy_depth_at_start"] == 1 and plan.controller.choose() == 1
+        else:
+            assert plan.controller is None and plan.max_depth == 0  # plain decoding, no head work
+
+
 def test_a_job_depth_must_win_by_the_margin():
     costs = _costs(10.0, {1: 10.5, 2: 11.0, 3: 11.5}, 0.0)
     acc = [0.06, 0.0, 0.0]  # depth 1 predicted 1.06 / 1.05 = ~1.01x
