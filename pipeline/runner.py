@@ -91,9 +91,14 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
         from .ray_engine import run_on_ray
 
         return run_on_ray(job, opts, state, started, log)
+    auto = job.spec.model.depth == "auto"
+    if auto and not opts.quiet:  # calibration is silent and takes seconds to a minute
+        log(f"{job.spec.name}: depth auto: timing the decode passes on this machine first")
     engine = engine_factory(job.ref, job.spec, job.spec.batch.max_memory)
     todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
     if not opts.quiet:
+        if auto:
+            log(f"{job.spec.name}: depth auto: {engine.stats.get('auto_depth', {}).get('policy', 'no plan recorded')}")
         note = f"resuming: {state.rows_done} rows already in {out}" if state.rows_done else f"writing to {out}"
         log(f"{job.spec.name}: {note}")
     t0 = time.monotonic()

@@ -48,3 +48,22 @@ def test_evaluate_job_reports_accuracy(tiny_model, tmp_path):
     assert result.exit_code == 0
     s = result.summary
     assert s["rows"] == s["input_rows"] == s["scored_rows"] and 0.0 <= s["accuracy"] <= 1.0
+
+
+def test_a_job_at_depth_auto_says_what_it_planned_and_records_it_in_the_summary(tiny_model, tmp_path):
+    from conftest import write_parquet
+
+    data = write_parquet(tmp_path / "in.parquet", id=[1, 2, 3], prompt=["ab", "abc", "b"])
+    spec = load_spec(REPO / "jobs" / "nightly.toml")
+    spec = replace(spec, model=replace(spec.model, path=str(tiny_model), depth="auto"),
+                   input=replace(spec.input, path=str(data), keep_columns=[]),
+                   generation=replace(spec.generation, max_tokens=4, stop=[]),
+                   batch=replace(spec.batch, max_batch=2),
+                   output=replace(spec.output, path=str(tmp_path / "out")))
+    lines = []
+    result = run_job(spec, RunOptions(), log=lines.append)
+    assert result.exit_code == 0, lines
+    assert lines[0] == "nightly: depth auto: timing the decode passes on this machine first"
+    plan = result.summary["runtime"]["stats"]["auto_depth"]
+    assert lines[1] == f"nightly: depth auto: {plan['policy']}"
+    assert sum(plan["cycles_by_depth"].values()) > 0 and "bare_costs" in plan
