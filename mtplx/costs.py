@@ -198,10 +198,13 @@ def measure_cycle_costs(
     random prompts: runtimes at every depth take turns (after a warm-up that
     traces and builds kernels), one short decode each per round.
 
-    A round's time for a depth is the median of its cycles' launch times
-    (`runtime.launch_seconds`; on the CPU backend a launch returns when its
-    compute is nearly done), leaving out each decode's first cycle, which
+    A round's time for a depth is the median time from one cycle's launch
+    to the next (`runtime.launch_started`), leaving out the first, which
     also writes the prefilled rows into the slots (about twice a cycle).
+    Launch to launch is a whole cycle on any backend: on the CPU a launch
+    returns when its compute is nearly done, on a GPU once the work is
+    queued, so launch times alone would miss a GPU's compute (on this CPU
+    both gave the same overhead to 0.01 in four calibrations at batch 4).
     The median, not the mean, because on a shared VM single cycles stall.
     Depth 0's cost is its fastest round; another depth's is that times the
     median over rounds of its ratio to depth 0 in the same round, since
@@ -224,11 +227,11 @@ def measure_cycle_costs(
     times = {k: [] for k in depths}
     for _ in range(rounds):
         for k, rt in runtimes.items():
-            rt.launch_seconds.clear()
+            rt.launch_started.clear()
             rt.generate(prompts, max_tokens=max_tokens)
-            steady = list(rt.launch_seconds)[1:]
+            steady = np.diff(list(rt.launch_started))[1:]
             # every row can stop at once on a stop token: such a round has no time
-            times[k].append(float(np.median(steady)) if steady else float("nan"))
+            times[k].append(float(np.median(steady)) if len(steady) else float("nan"))
     if bare is not None and 0 in times:
         seconds, overhead = _shaped_by_bare(times, bare)
         return CycleCosts(batch_size, seconds, overhead)

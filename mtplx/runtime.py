@@ -77,9 +77,11 @@ class MTPLXRuntime:
         self._draft_chain = DraftChain(model.head, model.num_head_layers, contract.acceptance,
                                        compiled=contract.compile) if self.depth > 0 else None
         self.stats = _new_stats(self.depth)
-        # Seconds of each recent cycle launch (building it and, on the CPU
-        # backend, most of its compute): what calibration takes medians of.
-        self.launch_seconds: deque = deque(maxlen=4096)
+        # When each recent cycle launch started. In steady decoding launch to
+        # launch is a whole cycle on any backend (on the CPU a launch returns
+        # when its compute is nearly done, on a GPU once the work is queued):
+        # what calibration takes medians of (costs.measure_cycle_costs).
+        self.launch_started: deque = deque(maxlen=4096)
         if self.auto is not None:
             self.stats["auto_depth"] = self.auto.record
             self.auto.record["cycles_by_depth"] = {str(k): 0 for k in range(self.depth + 1)}
@@ -259,6 +261,7 @@ class MTPLXRuntime:
 
     def _launch(self, batch: SlotBatch, in_flight: int, k: int) -> "_InFlight":
         t0 = time.perf_counter()
+        self.launch_started.append(t0)
         rows = list(batch.rows)
         span = batch.span_bound(batch.trunk_len, in_flight)
         greedy = batch.sampling.all_greedy  # no random draws, no probability tensors
@@ -299,9 +302,7 @@ class MTPLXRuntime:
         self.stats["cycles"] += 1
         if self.auto is not None:
             self.auto.record["cycles_by_depth"][str(k)] += 1
-        seconds = time.perf_counter() - t0
-        self.stats["decode_seconds"] += seconds
-        self.launch_seconds.append(seconds)
+        self.stats["decode_seconds"] += time.perf_counter() - t0
         return _InFlight(rows, k, accepted, emitted_ids, d.num_valid, d.bad, d.logprobs)
 
     def _head_catch_up(self, batch: SlotBatch, span: int):
