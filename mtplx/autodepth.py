@@ -5,7 +5,7 @@ The expected speed-up of depth k over plain decoding is
     (1 + sum_{i<=k} alpha_i) * cycle_time(0) / cycle_time(k)
 with alpha_i the cumulative acceptance at depth i. The cycle times are
 measured here at the runtime's batch size: the bare passes (one-token step,
-verify over k+1 tokens, head pass; `costs.measure_bare_costs`) give their
+verify over k+1 tokens, head pass; `costs.BareCostSampler`) give their
 shape across depths, and short decodes of the runtime itself at every depth
 (`costs.measure_cycle_costs`) give how much a whole cycle costs beyond the
 bare passes. Every slot is computed whether or not a row occupies it, so the
@@ -45,7 +45,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .costs import CycleCosts, measure_bare_costs, measure_cycle_costs, predicted_speedup
+from .costs import BareCostSampler, CycleCosts, measure_cycle_costs, predicted_speedup
 
 DEFAULT_ACCEPTANCE = (0.5, 0.3, 0.18, 0.1)  # cautious prior, cumulative by depth
 
@@ -115,10 +115,18 @@ DEPTH_TOLERANCE = 1.05
 
 
 # Interleaved rounds of the bare passes timed at calibration (the step's
-# fastest anchors same-round ratios). With 7 rounds, each pass's fastest
-# kept, one calibration in a slow spell of this VM got a verify cost shape
-# flat enough to make depth 2 look 48% faster at batch 4.
-BARE_ROUNDS = 15
+# fastest anchors same-round ratios): BARE_ROUNDS_FIRST, then
+# BARE_ROUNDS_BETWEEN after each round of the runtime's own cycles, 15 in
+# all. With 7 rounds, each pass's fastest kept, one calibration in a slow
+# spell of this VM got a verify cost shape flat enough to make depth 2 look
+# 48% faster at batch 4. Taken in one go, 15 rounds could still all fall in
+# one spell, which pulls every ratio towards 1: one calibration measured
+# verify k=2 over the step at 1.55 at batch 4 (1.71-1.83 in others), put
+# depth 2 10% ahead of depth 1, and the job ran depth 2 (0.93 of depth 1).
+# Spread over the calibration, like the bench's (`costs.BareCostSampler`),
+# they cover more of the machine's spells.
+BARE_ROUNDS_FIRST = 5
+BARE_ROUNDS_BETWEEN = 2
 
 
 def fastest_depth(scores: dict, tolerance: float = DEPTH_TOLERANCE) -> int:
@@ -237,8 +245,11 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     sampled = acceptance_prior(model, K, sampled=True)  # what the job depth (sampled rows) is chosen for
     # The bare passes give the shape of cost across depths; the runtime's own
     # short decodes, how much a whole cycle costs beyond them.
-    bare = measure_bare_costs(model, max_batch, depths=range(1, K + 1), repeats=BARE_ROUNDS, compiled=contract.compile)
-    costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile, bare=bare)
+    sampler = BareCostSampler(model, max_batch, depths=range(1, K + 1), context=64, compiled=contract.compile)
+    sampler.sample(BARE_ROUNDS_FIRST)
+    costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile, bare=sampler,
+                                bare_rounds_between=BARE_ROUNDS_BETWEEN)
+    bare = sampler.costs()
     job = best_depth(costs, sampled, K, margin=SPECULATION_MARGIN)
     # Greedy rows start speculating where any depth is predicted to win: their
     # output does not depend on the depth, and the controller goes off by

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -192,7 +192,8 @@ def measure_cycle_costs(
     prompt_len: int = 48,
     max_tokens: int = 32,
     rounds: int = 5,
-    bare: Optional[BareCosts] = None,
+    bare: Union[BareCosts, "BareCostSampler", None] = None,
+    bare_rounds_between: int = 2,
 ) -> CycleCosts:
     """Seconds per cycle of MTPLXRuntime at each depth, on `batch_size`
     random prompts: runtimes at every depth take turns (after a warm-up that
@@ -210,7 +211,9 @@ def measure_cycle_costs(
     median over rounds of its ratio to depth 0 in the same round, since
     adjacent decodes share the machine's slow spells. Given `bare` costs of
     the same batch size, the shape across depths comes from them instead
-    (`_shaped_by_bare`).
+    (`_shaped_by_bare`); given a `BareCostSampler`, it samples
+    `bare_rounds_between` more rounds after each round of decodes and the
+    shape comes from all its rounds.
     """
     from .mtp_patch import MTPContract
     from .runtime import MTPLXRuntime
@@ -232,6 +235,10 @@ def measure_cycle_costs(
             steady = np.diff(list(rt.launch_started))[1:]
             # every row can stop at once on a stop token: such a round has no time
             times[k].append(float(np.median(steady)) if len(steady) else float("nan"))
+        if isinstance(bare, BareCostSampler):
+            bare.sample(bare_rounds_between)
+    if isinstance(bare, BareCostSampler):
+        bare = bare.costs()
     if bare is not None and 0 in times:
         seconds, overhead = _shaped_by_bare(times, bare)
         return CycleCosts(batch_size, seconds, overhead)

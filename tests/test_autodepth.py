@@ -279,6 +279,27 @@ def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):
     # The predicted speed-up divides cycle times directly.
     assert predicted_speedup(costs, [0.5, 0.25], 2) == pytest.approx(1.75 * costs.seconds[0] / costs.seconds[2])
 
+def test_cycle_costs_sample_a_bare_cost_sampler_between_their_rounds_and_take_its_shape(tmp_path, monkeypatch):
+    import mtplx.costs as costs_module
+    from mtplx.costs import measure_cycle_costs
+
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    calls = []
+
+    class CountingSampler:  # stands in for costs.BareCostSampler
+        def sample(self, rounds):
+            calls.append(rounds)
+
+        def costs(self):
+            calls.append("costs")
+            return BareCosts(batch_size=2, context=8, step_s=1.0, verify_s={1: 1.5, 2: 2.0}, head_s=0.0)
+
+    monkeypatch.setattr(costs_module, "BareCostSampler", CountingSampler)  # what isinstance checks see
+    costs = measure_cycle_costs(model, 2, depths=range(3), max_tokens=6, rounds=3, bare=CountingSampler(),
+                                bare_rounds_between=2)
+    assert calls == [2, 2, 2, "costs"]  # after every round of decodes, then the pooled costs
+    assert costs.seconds[2] / costs.seconds[1] == pytest.approx(2.0 / 1.5)  # the sampler's shape
+
 
 def test_cycle_costs_are_depth0s_fastest_round_times_each_depths_median_same_round_ratio():
     from mtplx.costs import _anchored_to
@@ -319,8 +340,17 @@ def test_greedy_rows_start_speculating_on_any_predicted_gain_while_a_job_depth_n
     import mtplx.autodepth as autodepth
     from mtplx.costs import CycleCosts
 
-    bare = BareCosts(batch_size=4, context=64, step_s=10.0, verify_s={1: 14.0})
-    monkeypatch.setattr(autodepth, "measure_bare_costs", lambda *a, **k: bare)
+    class PlantedSampler:  # bare costs without timing anything
+        def __init__(self, *a, **k):
+            pass
+
+        def sample(self, rounds):
+            pass
+
+        def costs(self):
+            return BareCosts(batch_size=4, context=64, step_s=10.0, verify_s={1: 14.0})
+
+    monkeypatch.setattr(autodepth, "BareCostSampler", PlantedSampler)
     monkeypatch.setattr(autodepth, "measure_cycle_costs", lambda *a, **k: CycleCosts(4, {0: 10.0, 1: 14.0}))
     model = types.SimpleNamespace(head=object())
     contract = MTPContract(depth="auto", max_depth_auto=1)
