@@ -254,10 +254,10 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     # Greedy rows start speculating where any depth is predicted to win: their
     # output does not depend on the depth, and the controller goes off by
     # itself once the running acceptance predicts no gain. (At batch 4 here
-    # calibration predicted depth 1 at 1.03-1.08 over plain in four benches,
-    # moving with its timing noise, where it measured 1.10-1.20; below the
-    # margin the controller started off and its probes, which take the
-    # margin, kept it off.)
+    # calibration's best greedy prediction was 1.03-1.24 over plain in four
+    # benches, moving with its timing noise, where depth 1 measured
+    # 1.02-1.16; below the margin the controller started off, and its
+    # probes, which take the margin, kept it off.)
     greedy = best_depth(costs, acceptance, K, margin=KEEP_SPECULATING_ABOVE)
     record = {
         "depth": job,
