@@ -87,21 +87,6 @@ def predicted_speedup(costs: BareCosts, acceptance_by_depth: Sequence[float], k:
     return ideal_tokens_per_cycle(acceptance_by_depth, k) * costs.step_s / costs.cycle_s(k)
 
 
-def measure_bare_costs(
-    model,
-    batch_size: int,
-    depths: Sequence[int] = (1, 2, 3),
-    context: int = 64,
-    repeats: int = 9,
-    compiled: bool = True,
-) -> BareCosts:
-    """Wall time of the bare passes on a warm cache of `context` tokens, in
-    `repeats` interleaved rounds at once (`BareCostSampler` spreads them)."""
-    sampler = BareCostSampler(model, batch_size, depths, context, compiled)
-    sampler.sample(repeats)
-    return sampler.costs()
-
-
 class BareCostSampler:
     """The bare passes, ready to be timed in interleaved rounds (bursts of
     back-to-back calls) whenever `sample` is called; `costs` pools every
@@ -116,8 +101,8 @@ class BareCostSampler:
     on this 2-core VM such a spell adds about the same time to every pass,
     which pulls the ratios towards 1 (verify k=2 over the step measured
     1.29-1.30 in two such spells, 1.39-1.51 otherwise). Sampled between the
-    benchmark's own rounds, they cover the same spells as the runs they
-    predict.
+    benchmark's own rounds, or between calibration's decodes
+    (`measure_cycle_costs`), they cover more of the machine's spells.
     """
 
     def __init__(self, model, batch_size: int, depths: Sequence[int], context: int, compiled: bool = True):
