@@ -46,6 +46,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .costs import BareCostSampler, CycleCosts, measure_cycle_costs, predicted_speedup
+from .cycle_timing import CycleTimes
 
 DEFAULT_ACCEPTANCE = (0.5, 0.3, 0.18, 0.1)  # cautious prior, cumulative by depth
 
@@ -128,6 +129,22 @@ DEPTH_TOLERANCE = 1.05
 BARE_ROUNDS_FIRST = 5
 BARE_ROUNDS_BETWEEN = 2
 
+# While speculating, a controller that is told its cycles' launch times
+# (`DepthController.launched`) runs a short burst at a neighbouring depth
+# (one shallower, one deeper, or plain decoding, in turn) every
+# EXPLORE_EVERY cycles, so that `cycle_timing.CycleTimes` can measure what
+# each costs next to the depth it runs. A burst of EXPLORE_CYCLES gives two
+# intervals at its depth. A neighbour measured to be slower than the best
+# by more than EXPLORE_WITHIN is explored only every EXPLORE_SLOWER_TURN-th
+# time (its cost may change as contexts grow or the machine's load does).
+# Greedy rows' output does not depend on the depth, so a burst only costs
+# time: 3 of 35 cycles at a depth predicted within 1/1.2 of the best, under
+# 2% of the job's time, and a slower depth's burst once in 4.
+EXPLORE_EVERY = 32
+EXPLORE_CYCLES = 3
+EXPLORE_WITHIN = 1.2
+EXPLORE_SLOWER_TURN = 4
+
 
 def fastest_depth(scores: dict, tolerance: float = DEPTH_TOLERANCE) -> int:
     """The shallowest depth predicted within `tolerance` of the fastest."""
@@ -176,6 +193,14 @@ class DepthController:
     spell draft from a head history with gaps: that lowers their acceptance,
     never their output. `start_off`: begin with speculation off, as when the
     prior is not predicted to pay; it then goes on at its first probe.
+
+    The cycle costs it predicts from start as calibrated. Told each cycle's
+    launch (`launched`), it measures them as the job runs (`CycleTimes`),
+    exploring neighbouring depths in short bursts while speculating
+    (`EXPLORE_EVERY`), and predicts from the measured costs wherever it has
+    them: calibration's few seconds can misprice a whole speculating cycle
+    by 10% on a noisy machine, which decides whether speculation pays at
+    all where the gain is 5-15%.
     """
 
     def __init__(self, costs: CycleCosts, prior: Sequence[float], max_depth: int,
@@ -195,6 +220,20 @@ class DepthController:
         self.probing = False  # on for a probe, not because the estimate pays
         self.rows_seen = 0  # row-cycles since speculation last went on or off
         self.off = start_off  # off from the start when the prior does not pay
+        self.timing = CycleTimes(costs)
+        self.timed = False  # whether launches are reported (then it explores)
+        self.explore_every = EXPLORE_EVERY
+        self._since_explore = 0
+        self._explore_left = 0  # cycles of the burst still to run
+        self._explore_depth = 0
+        self._explore_turn = 0
+        self._measure_plain = False  # about to go off on calibration's word alone
+
+    def launched(self, depth: int, t: float, clean: bool) -> None:
+        """The runtime launched a cycle at `depth` at time `t` (seconds);
+        `clean`: nothing but the previous cycle happened since the last one."""
+        self.timed = True
+        self.timing.launched(depth, t, clean)
 
     def observe(self, accepted: np.ndarray, drafted: np.ndarray):
         """One cycle's active rows: accepted a_b and drafted (num_valid) counts."""
@@ -214,18 +253,55 @@ class DepthController:
         return [float(x) for x in np.cumprod(cond)]
 
     def choose(self) -> int:
+        if self._explore_left > 0:
+            self._explore_left -= 1
+            return self._explore_depth
         acc = self.acceptance()
-        scores = {k: predicted_speedup(self.costs, acc, k) for k in range(1, self.max_depth + 1)}
+        costs = self.timing.costs() if self.timed else self.costs
+        scores = {k: predicted_speedup(costs, acc, k) for k in range(1, self.max_depth + 1)}
         best = fastest_depth(scores)
         pays = max(scores.values()) >= SPECULATION_MARGIN
         keeps = pays if self.probing else max(scores.values()) >= KEEP_SPECULATING_ABOVE
+        going_off = not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows)
+        # Timed, it first measures plain decoding beside the depth it runs:
+        # that comparison decides whether speculation pays.
+        self._measure_plain = going_off and self.timed and self.explore_every > 0 and not self.probing and (
+            self.timing.pair_count(0, best) < self.timing.min_pairs)
         if self.off and self.rows_seen >= self.retry_rows:
             self.off, self.rows_seen, self.probing = False, 0, True
-        elif not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows):
+        elif going_off and not self._measure_plain:
             self.off, self.rows_seen = True, 0
         if pays:
             self.probing = False
-        return 0 if self.off else best
+        if self.off:
+            return 0
+        return self._maybe_explore(best, scores)
+
+    def _maybe_explore(self, best: int, scores: dict) -> int:
+        """`best`, or the first cycle of a burst at a neighbouring depth when
+        one is due (see EXPLORE_EVERY)."""
+        if not self.timed or self.probing or self.explore_every <= 0:
+            return best
+        self._since_explore += 1
+        # about to go off: plain decoding now, after a few cycles at `best` to pair it with
+        every = 2 * EXPLORE_CYCLES if self._measure_plain else self.explore_every
+        if self._since_explore < every:
+            return best
+        self._since_explore = 0
+        scores = {0: 1.0, **scores}
+        near = [k for k in dict.fromkeys((0, best - 1, best + 1)) if 0 <= k <= self.max_depth and k != best]
+        self._explore_turn += 1
+        if self._measure_plain:
+            near = [0]
+        elif self._explore_turn % EXPLORE_SLOWER_TURN:
+            # once measured, a clearly slower depth waits its turn
+            near = [k for k in near if scores[k] * EXPLORE_WITHIN >= scores[best]
+                    or self.timing.pair_count(k, best) < self.timing.min_pairs]
+        if not near:
+            return best
+        self._explore_depth = near[self._explore_turn % len(near)]
+        self._explore_left = EXPLORE_CYCLES - 1
+        return self._explore_depth
 
 
 @dataclass

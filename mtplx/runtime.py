@@ -82,6 +82,10 @@ class MTPLXRuntime:
         # when its compute is nearly done, on a GPU once the work is queued):
         # what calibration takes medians of (costs.measure_cycle_costs).
         self.launch_started: deque = deque(maxlen=4096)
+        # Whether the host did more than read cycles since the last launch
+        # (prefill, rows loaded, finished or moved): that interval is not a
+        # cycle's time, for the depth controller's measured costs.
+        self._disturbed = True
         if self.auto is not None:
             self.stats["auto_depth"] = self.auto.record
             self.auto.record["cycles_by_depth"] = {str(k): 0 for k in range(self.depth + 1)}
@@ -135,12 +139,14 @@ class MTPLXRuntime:
             if inflight is not None and self._may_end_rows(inflight):
                 yield from self._collect(batch, inflight)
                 inflight = None
+                self._disturbed = True
             yield from self._refill(batch, waiting, seed, in_flight=int(inflight is not None))
             if self._should_shrink(batch, waiting):
                 if inflight is not None:  # slots move: read the cycle in flight first
                     yield from self._collect(batch, inflight)
                     inflight = None
                     batch.flush(0)
+                self._disturbed = True
                 if batch.any_active():
                     batch = batch.shrunk()
                     self._set_sampling(batch, seed)
@@ -173,6 +179,7 @@ class MTPLXRuntime:
                 batch.load(b, pre, row, first)
         if batch.flush(in_flight) or batch.sampling is None:
             self._set_sampling(batch, seed)
+            self._disturbed = True
 
     @staticmethod
     def _set_sampling(batch: SlotBatch, seed: int):
@@ -204,6 +211,7 @@ class MTPLXRuntime:
     def prepare(self, batch: List[tuple], seed: int) -> List["_Prepared"]:
         """Prefill encoded requests [(request, ids)] together, then draw the
         first token of every sample of every request in one vectorised step."""
+        self._disturbed = True
         t0 = time.perf_counter()
         pres = prefill_batch(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0)
         self.stats["prefill_seconds"] += time.perf_counter() - t0
@@ -262,6 +270,9 @@ class MTPLXRuntime:
     def _launch(self, batch: SlotBatch, in_flight: int, k: int) -> "_InFlight":
         t0 = time.perf_counter()
         self.launch_started.append(t0)
+        if self.auto is not None and self.auto.controller is not None:
+            self.auto.controller.launched(k, t0, clean=not self._disturbed and batch.size == self.max_batch)
+        self._disturbed = False
         rows = list(batch.rows)
         span = batch.span_bound(batch.trunk_len, in_flight)
         greedy = batch.sampling.all_greedy  # no random draws, no probability tensors
@@ -344,6 +355,7 @@ class MTPLXRuntime:
             if done is not None:
                 finished.append(done)
                 batch.release(b)
+                self._disturbed = True
         self.stats["decode_seconds"] += time.perf_counter() - t0
         return finished
 

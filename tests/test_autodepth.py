@@ -7,7 +7,7 @@ import pytest
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
 from mtplx.autodepth import DEPTH_TOLERANCE, best_depth
-from mtplx.costs import BareCosts, ideal_tokens_per_cycle, predicted_speedup
+from mtplx.costs import BareCosts, CycleCosts, ideal_tokens_per_cycle, predicted_speedup
 from mtplx.testing import tiny_checkpoint
 
 
@@ -171,6 +171,9 @@ class _Scripted:
 
     def observe(self, accepted, drafted):
         self.seen += len(accepted)
+
+    def launched(self, depth, t, clean):
+        pass
 
 
 def _with_scripted_auto(model, script, job_depth=2, max_batch=3, acceptance="residual"):
@@ -382,3 +385,81 @@ def test_speculation_back_on_after_an_off_spell_keeps_greedy_output_exact(predic
     used = rt.auto.record["cycles_by_depth"]
     assert all(used[str(k)] > 0 for k in range(4))
     assert sum(sum(c.accepted_by_depth) for c in got) > 0
+
+
+# -- measured cycle costs ------------------------------------------------------
+
+
+def _timed_job(controller, true_cost, accept, cycles, rows=4, timed=True, seed=0):
+    """Cycles as the runtime runs them: choose a depth, launch (reporting the
+    time when `timed`), then read each row's accepted count. Cycles take
+    true_cost[depth] +-5%; each draft is accepted with probability `accept`."""
+    rng = np.random.default_rng(seed)
+    t, used = 0.0, []
+    for _ in range(cycles):
+        k = controller.choose()
+        if timed:
+            controller.launched(k, t, clean=True)
+        t += true_cost[k] * rng.uniform(0.95, 1.05)
+        accepted = (rng.random((rows, k)) < accept).cumprod(axis=1).sum(axis=1)  # [rows]
+        controller.observe(accepted, np.full(rows, k))
+        used.append(k)
+    return np.array(used)
+
+
+def test_a_timed_controller_keeps_speculating_where_its_measured_cycles_pay_though_calibration_says_not():
+    # Calibration priced depth 1 at 1.4 x plain: (1 + 0.35) / 1.4 = 0.96, no
+    # gain. The job's cycles cost 1.15 x plain: 1.35 / 1.15 = 1.17.
+    calibrated = CycleCosts(4, {0: 10.0, 1: 14.0})
+    true = {0: 10.0, 1: 11.5}
+    timed = DepthController(calibrated, [0.35], 1)
+    used = _timed_job(timed, true, 0.35, 1200)
+    assert (used[-400:] == 1).mean() > 0.85  # on, but for its bursts at plain decoding
+    assert 0 < (used == 0).mean() < 0.15
+    assert timed.timing.costs().seconds[1] / timed.timing.costs().seconds[0] == pytest.approx(1.15, abs=0.05)
+    untimed = DepthController(calibrated, [0.35], 1)
+    assert (_timed_job(untimed, true, 0.35, 1200, timed=False)[-400:] == 0).mean() > 0.8  # calibration's word: off
+    # An untimed controller never explores: every cycle at depth 1 while on.
+    fresh = DepthController(calibrated, [0.9], 1)
+    assert (_timed_job(fresh, true, 0.9, 200, timed=False) == 1).all()
+
+
+def test_a_timed_controller_goes_off_where_its_measured_cycles_do_not_pay_though_calibration_says_they_do():
+    # Calibration: (1 + 0.35) x 10 / 11 = 1.23. The job's cycles: 1.35 / 1.4 = 0.96.
+    calibrated = CycleCosts(4, {0: 10.0, 1: 11.0})
+    true = {0: 10.0, 1: 14.0}
+    timed = DepthController(calibrated, [0.35], 1)
+    assert (_timed_job(timed, true, 0.35, 1200)[-400:] == 0).mean() > 0.8
+    untimed = DepthController(calibrated, [0.35], 1)
+    assert (_timed_job(untimed, true, 0.35, 1200, timed=False)[-400:] == 1).all()
+
+
+def test_a_timed_controller_explores_the_depths_beside_the_one_it_runs_and_moves_to_the_faster():
+    # Calibration makes depths 2 and 3 dear: depth 1 is the pick. Measured,
+    # depth 2 costs little more than depth 1 and wins: 1.8 / 12 against 2.3 / 12.5.
+    calibrated = CycleCosts(4, {0: 10.0, 1: 12.0, 2: 18.0, 3: 24.0})
+    true = {0: 10.0, 1: 12.0, 2: 12.5, 3: 17.0}
+    c = DepthController(calibrated, [0.8, 0.5, 0.2], 3)
+    used = _timed_job(c, true, 0.8, 1500)
+    assert used[0] == 1
+    assert (used[-500:] == 2).mean() > 0.9
+    assert set(used[-500:].tolist()) - {2}  # it keeps measuring, now and then, the depths beside it
+
+
+def test_greedy_output_is_plain_greedy_while_a_timed_controller_explores(predictable_qwen):
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20], [5, 6, 7, 8], [30, 31]]
+    plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0), max_batch=3).generate(prompts, max_tokens=14)
+    calibrated = CycleCosts(3, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3})
+    controller = DepthController(calibrated, [0.9, 0.8, 0.7], 3)
+    controller.explore_every = 2  # a burst every few cycles
+    reported = []
+    launched = controller.launched
+    controller.launched = lambda k, t, clean: (reported.append((k, clean)), launched(k, t, clean))
+    rt = MTPLXRuntime(predictable_qwen, MTPContract(depth=3), max_batch=3)
+    rt.auto = AutoDepth(3, 3, controller, {"cycles_by_depth": {str(k): 0 for k in range(4)}})
+    got = rt.generate(prompts, max_tokens=14)
+    assert [c.tokens for c in got] == [c.tokens for c in plain]
+    assert len(reported) == rt.stats["cycles"]
+    assert len({k for k, _ in reported}) >= 2  # it explored
+    assert reported[0][1] is False  # the first launch follows a prefill
+    assert any(clean for _, clean in reported)
