@@ -29,12 +29,15 @@ depend on the depth each of its cycles used:
   fastest. It starts speculating where the greedy prior predicts any depth
   to beat plain decoding; once the running acceptance predicts none does,
   the controller switches speculation off, and tries it again later (a probe,
-  which stays on only if a depth then beats plain by the margin).
+  which stays on only if a depth then beats plain by the margin). Its cycles
+  also measure what each depth costs (`cycle_timing.CycleTimes`, with short
+  bursts at neighbouring depths), and those measurements replace the
+  calibrated costs as they come in.
 If neither regime speculates at the start, the job decodes plainly with no
 head work at all (as at large batches on compute-bound hardware).
 
-The choice, its inputs and the cycles run at each depth are in
-`runtime.stats["auto_depth"]` (and so in the job summary).
+The choice, its inputs, the cycles run at each depth and the measured costs
+are in `runtime.stats["auto_depth"]` (and so in the job summary).
 """
 
 from __future__ import annotations

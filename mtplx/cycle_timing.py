@@ -83,6 +83,14 @@ class CycleTimes:
         # A run without a sample leaves nothing to compare the next one with.
         self._run_before = (depth, run) if run else None
 
+    def as_dict(self) -> dict:
+        """The measured pairs (count, median log ratio over calibrated) and
+        the costs predicted from them, for the job summary."""
+        return {
+            "pairs": {f"{lo}-{hi}": [len(v), float(np.median(v))] for (lo, hi), v in sorted(self.pairs.items())},
+            "cycle_s": {str(k): v for k, v in self.costs().seconds.items()},
+        }
+
     def pair_count(self, a: int, b: int) -> int:
         return len(self.pairs.get(tuple(sorted((a, b))), ()))
 

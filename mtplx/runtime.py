@@ -158,7 +158,13 @@ class MTPLXRuntime:
                 yield from self._collect(batch, inflight)
             inflight = launched
             if inflight is None and not batch.any_active() and not waiting.pending:
+                self._record_measured_costs()
                 return
+
+    def _record_measured_costs(self):
+        controller = self.auto.controller if self.auto is not None else None
+        if getattr(controller, "timing", None) is not None:
+            self.auto.record["measured_cycle_costs"] = controller.timing.as_dict()
 
     # -- refill --------------------------------------------------------------
     def _refill(self, batch: SlotBatch, waiting: "_Samples", seed: int, in_flight: int) -> Iterator[Completion]:

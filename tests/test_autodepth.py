@@ -463,3 +463,5 @@ def test_greedy_output_is_plain_greedy_while_a_timed_controller_explores(predict
     assert len({k for k, _ in reported}) >= 2  # it explored
     assert reported[0][1] is False  # the first launch follows a prefill
     assert any(clean for _, clean in reported)
+    measured = rt.auto.record["measured_cycle_costs"]  # what the job summary shows
+    assert set(measured["cycle_s"]) == {"0", "1", "2", "3"} and measured["pairs"]
