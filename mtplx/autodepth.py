@@ -307,6 +307,40 @@ class DepthController:
         return self._explore_depth
 
 
+class WarmUpDone(Exception):
+    """A `DepthSequence` has played every depth it was given."""
+
+
+class DepthSequence:
+    """Plays fixed depths, then stops the decode (`WarmUpDone`): how an
+    adaptive runtime traces its passes before the job (`warm_up_depths`)."""
+
+    def __init__(self, depths: Sequence[int]):
+        self.depths = iter(depths)
+
+    def choose(self) -> int:
+        k = next(self.depths, None)
+        if k is None:
+            raise WarmUpDone
+        return k
+
+    def observe(self, accepted, drafted) -> None:
+        pass
+
+    def launched(self, depth: int, t: float, clean: bool) -> None:
+        pass
+
+
+def warm_up_depths(max_depth: int) -> List[int]:
+    """Every depth 1..max_depth right after every depth 0..max_depth. A
+    runtime traces its compiled passes per shape on first use: per depth the
+    verify and the draft chain, per previous depth the head catch-up. An
+    adaptive job first visits most of them in bursts spread over its early
+    cycles (`EXPLORE_EVERY`), where each first visit costs tens of
+    milliseconds: a 2x slower cycle or several, on a cycle of 3-10 ms."""
+    return [k for depth in range(1, max_depth + 1) for prev in range(max_depth + 1) for k in (prev, depth)]
+
+
 @dataclass
 class AutoDepth:
     job_depth: int  # the depth of every cycle with a row sampling under the residual rule

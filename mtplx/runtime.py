@@ -76,7 +76,6 @@ class MTPLXRuntime:
         ]
         self._draft_chain = DraftChain(model.head, model.num_head_layers, contract.acceptance,
                                        compiled=contract.compile) if self.depth > 0 else None
-        self.stats = _new_stats(self.depth)
         # When each recent cycle launch started. In steady decoding launch to
         # launch is a whole cycle on any backend (on the CPU a launch returns
         # when its compute is nearly done, on a GPU once the work is queued):
@@ -86,9 +85,39 @@ class MTPLXRuntime:
         # (prefill, rows loaded, finished or moved): that interval is not a
         # cycle's time, for the depth controller's measured costs.
         self._disturbed = True
+        if self.auto is not None and self.auto.controller is not None:
+            self._warm_up_every_depth()
+        self._reset_stats()
+
+    def _reset_stats(self):
+        self.stats = _new_stats(self.depth)
+        self.launch_started.clear()
         if self.auto is not None:
             self.stats["auto_depth"] = self.auto.record
             self.auto.record["cycles_by_depth"] = {str(k): 0 for k in range(self.depth + 1)}
+
+    def _warm_up_every_depth(self):
+        """Trace the passes of every depth the controller may pick, after
+        every other (`autodepth.warm_up_depths`), on a batch of dummy rows
+        that no end of sequence stops, so that the job's first cycles at
+        each depth do not pay for it."""
+        from .autodepth import DepthSequence, WarmUpDone, warm_up_depths
+
+        depths = warm_up_depths(self.depth)
+        controller, eos = self.auto.controller, self.eos
+        self.auto.controller, self.eos = DepthSequence(depths), set()
+        self._reset_stats()
+        prompts = [[1 + b % (self.model.vocab_size - 1)] * 4 for b in range(self.max_batch)]
+        max_tokens = (self.depth + 1) * len(depths) + 2  # no row ends before the sequence does
+        if self.model.max_context is not None:
+            max_tokens = max(1, min(max_tokens, self.model.max_context - 4 - self.depth - 1))
+        try:
+            self.generate(prompts, max_tokens=max_tokens)
+        except WarmUpDone:
+            pass
+        finally:
+            self.auto.controller, self.eos = controller, eos
+        mx.synchronize()
 
     # -- public API ----------------------------------------------------------
     def generate(

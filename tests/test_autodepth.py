@@ -465,3 +465,35 @@ def test_greedy_output_is_plain_greedy_while_a_timed_controller_explores(predict
     assert any(clean for _, clean in reported)
     measured = rt.auto.record["measured_cycle_costs"]  # what the job summary shows
     assert set(measured["cycle_s"]) == {"0", "1", "2", "3"} and measured["pairs"]
+
+
+def test_warm_up_visits_every_speculating_depth_right_after_every_depth():
+    from mtplx.autodepth import warm_up_depths
+
+    seq = warm_up_depths(3)
+    after = {(a, b) for a, b in zip(seq, seq[1:])}
+    assert {(prev, k) for prev in range(4) for k in range(1, 4)} <= after
+
+
+def test_an_adaptive_runtime_traces_every_depth_before_the_job_and_starts_its_counts_at_zero(predictable_qwen, monkeypatch):
+    import mtplx.autodepth as autodepth
+    from mtplx.autodepth import warm_up_depths
+
+    controller = DepthController(CycleCosts(2, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}), [0.9, 0.8, 0.7], 3)
+    monkeypatch.setattr(autodepth, "plan_auto_depth", lambda model, contract, max_batch: AutoDepth(0, 3, controller, {}))
+    launched = []
+    real_launch = MTPLXRuntime._launch
+
+    def recording_launch(self, batch, in_flight, k):
+        launched.append(k)
+        return real_launch(self, batch, in_flight, k)
+
+    monkeypatch.setattr(MTPLXRuntime, "_launch", recording_launch)
+    rt = MTPLXRuntime(predictable_qwen, MTPContract(depth="auto"), max_batch=2)
+    assert launched == warm_up_depths(3)  # every one played, on the runtime's own passes
+    assert rt.auto.controller is controller and rt.eos == set(predictable_qwen.eos_token_ids)
+    assert rt.stats["cycles"] == 0 and set(rt.auto.record["cycles_by_depth"].values()) == {0}
+    assert not controller.timed  # the warm-up's cycles are no measurement
+    prompts = [[3, 4, 5], [7, 8, 9, 10]]
+    plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0), max_batch=2).generate(prompts, max_tokens=10)
+    assert [c.tokens for c in rt.generate(prompts, max_tokens=10)] == [c.tokens for c in plain]
