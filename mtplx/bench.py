@@ -45,7 +45,7 @@ first prompt alone accepted 0.80 at depth 1 at temperature 1, where the
 model's 128 held-out prompts accept 0.70, which is what "auto" plans from.
 
 `--quick` is what `make bench` runs (QUICK below): batch sizes 1,4,16, depths
-0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, 5 rounds (20 at batch size 1, 10 at 4), prompts clipped
+0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, 5 rounds (40 at batch size 1, 10 at 4), prompts clipped
 to their last 128 tokens.
 """
 
@@ -75,7 +75,6 @@ QUICK = dict(
 )
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
 SHORT_RUN_PROMPTS = 8  # runs of fewer prompts get proportionally more rounds (BenchPlan.rounds)
-MAX_ROUNDS_FACTOR = 4  # ... up to this many times `repeats`
 
 # Bare-cost rounds before a batch size's runs; one more follows each round of
 # runs (21 in all at 5 rounds per temperature, as many as one go took before).
@@ -125,15 +124,17 @@ class BenchPlan:
 
     def rounds(self, batch_size: int) -> int:
         """Rounds at one batch size: `repeats`, times SHORT_RUN_PROMPTS // prompts
-        per run (at most MAX_ROUNDS_FACTOR) when a run has fewer prompts than
-        that. Short runs are the noisiest and cheap to repeat: a one-prompt
-        run here lasts about 0.3 s, and the middle 80% of 30 identical ones
-        spanned 0.91-1.13x their median. At batch 4 (0.5-0.9 s a run), five
-        rounds gave medians of paired ratios to mlx-lm of 1.256 at depth 0
-        and 1.593 at depth 1 in a bench whose median tok/s put depth 1 at
-        1.13x depth 0."""
+        per run when a run has fewer prompts than that. Short runs are the
+        noisiest and cheap to repeat: a one-prompt run here lasts about
+        0.3 s, and the middle 80% of 30 identical ones spanned 0.91-1.13x
+        their median; paired ratios of two one-prompt runs spread 0.62-1.33
+        over 20 rounds, a standard error of about 3% on their median (40
+        rounds since 2026-11-30, from 20). At batch 4 (0.5-0.9 s a run),
+        five rounds gave medians of paired ratios to mlx-lm of 1.256 at
+        depth 0 and 1.593 at depth 1 in a bench whose median tok/s put
+        depth 1 at 1.13x depth 0."""
         per_run = self.num_prompts or batch_size
-        return self.repeats * max(1, min(MAX_ROUNDS_FACTOR, SHORT_RUN_PROMPTS // per_run))
+        return self.repeats * max(1, SHORT_RUN_PROMPTS // per_run)
 
     def cost_depths(self, max_depth_auto: int) -> List[int]:
         """Verify depths whose cost a prediction needs ("auto" may pick any up to its max)."""

@@ -102,7 +102,7 @@ def _depth(v: str):
 @click.option("--max-prompt-tokens", type=int, default=128, show_default=True, help="Keep each prompt's last N tokens.")
 @click.option("--repeats", type=int, default=5, show_default=True,
               help="Rounds per setting; each runs mlx-lm once, then every depth (the order rotates). "
-                   "Runs of fewer than 8 prompts get 8 // prompts times as many, at most 4 times.")
+                   "Runs of fewer than 8 prompts get 8 // prompts times as many.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--output", type=click.Path(), default="bench.json", show_default=True, help="Where the JSON records go.")
 @click.option("--plot", type=click.Path(), default=None, help="Also draw tokens/s against batch size (needs matplotlib).")

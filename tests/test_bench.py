@@ -142,9 +142,9 @@ def test_default_prompts_come_from_the_prompts_parquet_else_the_built_in_list(tm
     assert bench.default_prompts() == (list(bench.BUILTIN_PROMPTS), "built-in")
 
 
-def test_runs_of_fewer_than_eight_prompts_get_proportionally_more_rounds_up_to_four_times():
+def test_runs_of_fewer_than_eight_prompts_get_proportionally_more_rounds():
     one_batch = BenchPlan((1, 2, 4, 16), (0,), (0.0,), 8, None, 5, 0)
-    assert [one_batch.rounds(B) for B in (1, 2, 3, 4, 5, 8, 16)] == [20, 20, 10, 10, 5, 5, 5]
+    assert [one_batch.rounds(B) for B in (1, 2, 3, 4, 5, 8, 16)] == [40, 20, 10, 10, 5, 5, 5]
     three_prompts = BenchPlan((1, 16), (0,), (0.0,), 8, 3, 3, 0)  # --prompts 3 at every batch size
     assert [three_prompts.rounds(B) for B in (1, 16)] == [6, 6]
 
