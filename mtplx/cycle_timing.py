@@ -54,8 +54,11 @@ class CycleTimes:
         self.pairs: Dict[Tuple[int, int], deque] = {}  # (lo, hi) -> log(hi/lo) over calibrated
         self._last: Optional[Tuple[int, float]] = None  # the previous launch's depth and time
         self._depth_before_last: Optional[int] = None
-        self._run: List[float] = []  # the current run's samples, log(seconds / calibrated)
-        self._run_before: Optional[Tuple[int, List[float]]] = None
+        # The current run's samples, log(seconds / calibrated): its first and
+        # its last `pair_samples`, all a pair uses (a run may last a whole job).
+        self._run_first: List[float] = []
+        self._run_last: deque = deque(maxlen=pair_samples)
+        self._run_before: Optional[Tuple[int, List[float]]] = None  # depth, last samples
         self._corrected: Optional[CycleCosts] = None  # cached until a pair comes in
 
     def launched(self, depth: int, t: float, clean: bool) -> None:
@@ -64,24 +67,27 @@ class CycleTimes:
         if self._last is not None:
             last_depth, last_t = self._last
             if clean and self._depth_before_last == last_depth and t > last_t:
-                self._run.append(math.log((t - last_t) / self.calibrated.cycle_s(last_depth)))
+                sample = math.log((t - last_t) / self.calibrated.cycle_s(last_depth))
+                if len(self._run_first) < self.pair_samples:
+                    self._run_first.append(sample)
+                self._run_last.append(sample)
             if depth != last_depth:
                 self._close_run(last_depth)
         self._depth_before_last = self._last[0] if self._last is not None else None
         self._last = (depth, t)
 
     def _close_run(self, depth: int) -> None:
-        run, self._run = self._run, []
+        first, last = self._run_first, list(self._run_last)
+        self._run_first, self._run_last = [], deque(maxlen=self.pair_samples)
         before = self._run_before
-        if run and before is not None and before[0] != depth:
-            n = self.pair_samples
+        if first and before is not None and before[0] != depth:
             lo, hi = sorted((before[0], depth))
             # log(measured / calibrated) of this run over the one before it
-            diff = float(np.median(run[:n]) - np.median(before[1][-n:]))
+            diff = float(np.median(first) - np.median(before[1]))
             self.pairs.setdefault((lo, hi), deque(maxlen=self.window)).append(diff if depth == hi else -diff)
             self._corrected = None
         # A run without a sample leaves nothing to compare the next one with.
-        self._run_before = (depth, run) if run else None
+        self._run_before = (depth, last) if last else None
 
     def as_dict(self) -> dict:
         """The measured pairs (count, median log ratio over calibrated) and

@@ -69,3 +69,18 @@ def test_a_pair_compares_the_samples_nearest_the_depth_change():
     (pair,) = timer.pairs[(0, 1)]
     assert pair == pytest.approx(math.log(3.0))  # depth 1 costs 3 x depth 0 next to it
     assert np.isfinite(pair)
+
+
+def test_a_run_as_long_as_a_job_keeps_only_the_samples_a_pair_uses():
+    timer = CycleTimes(CycleCosts(1, {0: 1.0, 1: 1.0}), pair_samples=3)
+    t = 0.0
+    for i in range(20000):  # a job that never changes depth: say, every row sampling
+        timer.launched(1, t, clean=True)
+        t += 1.0 if i < 19990 else 2.0  # its last ten cycles slow
+    assert len(timer._run_first) == 3 and len(timer._run_last) == 3
+    for _ in range(3):
+        timer.launched(0, t, clean=True)
+        t += 1.0
+    timer.launched(1, t, clean=True)
+    (pair,) = timer.pairs[(0, 1)]
+    assert pair == pytest.approx(math.log(2.0))  # depth 1's last three samples against depth 0
