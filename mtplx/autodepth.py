@@ -147,6 +147,10 @@ BARE_ROUNDS_BETWEEN = 2
 EXPLORE_EVERY = 32
 EXPLORE_EVERY_MEASURED = 128
 EXPLORE_CYCLES = 3
+# Bursts at plain decoding a controller runs to measure it before going off;
+# where cycles are rarely clean (rows finishing every few cycles) the pairs
+# may not come, and it goes off on calibration's word after these.
+MEASURE_PLAIN_BURSTS = 4
 
 
 def fastest_depth(scores: dict, tolerance: float = DEPTH_TOLERANCE) -> int:
@@ -231,6 +235,7 @@ class DepthController:
         self._explore_depth = 0
         self._explore_turn = 0
         self._measure_plain = False  # about to go off on calibration's word alone
+        self._plain_bursts = 0  # bursts at plain decoding run to decide going off
 
     def launched(self, depth: int, t: float, clean: bool) -> None:
         """The runtime launched a cycle at `depth` at time `t` (seconds);
@@ -269,7 +274,9 @@ class DepthController:
         # Timed, it first measures plain decoding beside the depth it runs:
         # that comparison decides whether speculation pays.
         self._measure_plain = going_off and self.timed and self.explore_every > 0 and not self.probing and (
-            self.timing.pair_count(0, best) < self.timing.min_pairs)
+            self.timing.pair_count(0, best) < self.timing.min_pairs and self._plain_bursts < MEASURE_PLAIN_BURSTS)
+        if not going_off:
+            self._plain_bursts = 0
         if self.off and self.rows_seen >= self.retry_rows:
             self.off, self.rows_seen, self.probing = False, 0, True
         elif going_off and not self._measure_plain:
@@ -299,6 +306,8 @@ class DepthController:
         self._explore_turn += 1
         self._explore_depth = near[self._explore_turn % len(near)]
         self._explore_left = EXPLORE_CYCLES - 1
+        if self._measure_plain:
+            self._plain_bursts += 1
         return self._explore_depth
 
 

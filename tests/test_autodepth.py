@@ -63,7 +63,7 @@ def test_auto_depth_runtime_records_its_choice_and_decodes_like_plain_greedy(tmp
 
 import numpy as np
 
-from mtplx.autodepth import AutoDepth, DepthController, conditional_rates
+from mtplx.autodepth import EXPLORE_CYCLES, MEASURE_PLAIN_BURSTS, AutoDepth, DepthController, conditional_rates
 from mtplx.sampling import SamplingParams
 
 from model_helpers import make_predictable
@@ -390,7 +390,7 @@ def test_speculation_back_on_after_an_off_spell_keeps_greedy_output_exact(predic
 # -- measured cycle costs ------------------------------------------------------
 
 
-def _timed_job(controller, true_cost, accept, cycles, rows=4, timed=True, seed=0):
+def _timed_job(controller, true_cost, accept, cycles, rows=4, timed=True, seed=0, clean=True):
     """Cycles as the runtime runs them: choose a depth, launch (reporting the
     time when `timed`), then read each row's accepted count. Cycles take
     true_cost[depth] +-5%; each draft is accepted with probability `accept`."""
@@ -399,7 +399,7 @@ def _timed_job(controller, true_cost, accept, cycles, rows=4, timed=True, seed=0
     for _ in range(cycles):
         k = controller.choose()
         if timed:
-            controller.launched(k, t, clean=True)
+            controller.launched(k, t, clean=clean)
         t += true_cost[k] * rng.uniform(0.95, 1.05)
         accepted = (rng.random((rows, k)) < accept).cumprod(axis=1).sum(axis=1)  # [rows]
         controller.observe(accepted, np.full(rows, k))
@@ -497,3 +497,17 @@ def test_an_adaptive_runtime_traces_every_depth_before_the_job_and_starts_its_co
     prompts = [[3, 4, 5], [7, 8, 9, 10]]
     plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0), max_batch=2).generate(prompts, max_tokens=10)
     assert [c.tokens for c in rt.generate(prompts, max_tokens=10)] == [c.tokens for c in plain]
+
+
+def test_a_timed_controller_whose_cycles_are_never_clean_goes_off_on_calibrations_word_after_a_few_bursts():
+    # Rows finishing every few cycles: no interval is a clean cycle, no pair comes.
+    calibrated = CycleCosts(4, {0: 10.0, 1: 14.0})  # (1 + 0.35) / 1.4 = 0.96: calibration says off
+    c = DepthController(calibrated, [0.35], 1)
+    for cycles in range(1, 400):
+        _timed_job(c, {0: 10.0, 1: 11.5}, 0.35, 1, clean=False, seed=cycles)
+        if c.off:
+            break
+    assert c.off and not c.timing.pairs
+    # 64 cycles (min_rows at 4 rows) on, then MEASURE_PLAIN_BURSTS bursts
+    # of 3 cycles with 6 between them: it did not keep measuring for ever.
+    assert 64 <= cycles <= 64 + (MEASURE_PLAIN_BURSTS + 1) * 3 * EXPLORE_CYCLES
