@@ -141,9 +141,10 @@ BARE_ROUNDS_BETWEEN = 2
 # with the depth it runs), a burst comes every EXPLORE_EVERY_MEASURED cycles,
 # to follow the machine and the context length. Greedy rows' output does not
 # depend on the depth, so a burst only costs time. At batch 4 greedy here,
-# with depth 1 the fastest, bursts every 32 cycles (9% of cycles at depths 0
-# and 2) cost 2% of throughput: 0.969 of a fixed depth 1 over 30 paired
-# rounds, where the same plan untimed, all at depth 1, ran 0.989.
+# with depth 1 the fastest, over 30 paired rounds against a fixed depth 1:
+# bursts every 32 cycles throughout (9% of cycles at depths 0 and 2) ran
+# 0.969, every 128 once measured (3%) 0.978, the same plan untimed, all at
+# depth 1, 0.989-0.990.
 EXPLORE_EVERY = 32
 EXPLORE_EVERY_MEASURED = 128
 EXPLORE_CYCLES = 3
@@ -339,9 +340,9 @@ def warm_up_depths(max_depth: int) -> List[int]:
     """Every depth 1..max_depth right after every depth 0..max_depth. A
     runtime traces its compiled passes per shape on first use: per depth the
     verify and the draft chain, per previous depth the head catch-up. An
-    adaptive job first visits most of them in bursts spread over its early
-    cycles (`EXPLORE_EVERY`), where each first visit costs tens of
-    milliseconds: a 2x slower cycle or several, on a cycle of 3-10 ms."""
+    adaptive job would first visit most of them in the bursts of its early
+    cycles (`EXPLORE_EVERY`); on the default model here their tracing takes
+    about 50 ms in all at batch 1 and 4, against 3-10 ms a cycle."""
     return [k for depth in range(1, max_depth + 1) for prev in range(max_depth + 1) for k in (prev, depth)]
 
 

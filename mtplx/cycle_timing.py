@@ -4,15 +4,15 @@ calibrated cycle costs (`costs.CycleCosts`).
 Calibration prices a cycle at each depth in a few seconds on a machine whose
 speed moves by several percent from one second to the next: on a 2-core VM
 its overhead factor (runtime cycle over bare passes) came out anywhere in
-0.89-1.16 at batch 4, enough to call a 5-10% gain of depth 1 over plain
-decoding either way. A job that runs thousands of cycles can measure better,
+0.89-1.16 over a dozen calibrations at batch 1-16, enough to call a 5-15%
+gain of depth 1 over plain decoding at batch 4 either way. A job that runs thousands of cycles can measure better,
 as long as it compares depths over the same spells of the machine.
 
 So the time from one cycle's launch to the next is taken as a sample of that
 cycle's depth, and consecutive cycles at one depth form a run. Whenever the
 depth changes, the new run's first samples are compared with the last
 samples of the run before it, as a log ratio over the calibrated one: a
-pair measured seconds apart, which a slow spell hits alike. The median of
+pair measured a few cycles apart, which a slow spell hits alike. The median of
 the recent pairs between two depths corrects their calibrated ratio.
 
 An interval counts only when
