@@ -104,13 +104,15 @@ class MTPLXRuntime:
         from .autodepth import DepthSequence, WarmUpDone, warm_up_depths
 
         depths = warm_up_depths(self.depth)
+        max_tokens = (self.depth + 1) * len(depths) + 2  # no row ends before the sequence does
+        if self.model.max_context is not None:
+            max_tokens = min(max_tokens, self.model.max_context - 4 - self.depth - 1)
+        if max_tokens < 1:
+            return  # a context too short for dummy rows: the job's first bursts trace instead
         controller, eos = self.auto.controller, self.eos
         self.auto.controller, self.eos = DepthSequence(depths), set()
         self._reset_stats()
         prompts = [[1 + b % (self.model.vocab_size - 1)] * 4 for b in range(self.max_batch)]
-        max_tokens = (self.depth + 1) * len(depths) + 2  # no row ends before the sequence does
-        if self.model.max_context is not None:
-            max_tokens = max(1, min(max_tokens, self.model.max_context - 4 - self.depth - 1))
         try:
             self.generate(prompts, max_tokens=max_tokens)
         except WarmUpDone:
