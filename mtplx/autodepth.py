@@ -115,6 +115,13 @@ KEEP_SPECULATING_ABOVE = 1.0
 # measured decode speed-up over plain there was 1.20, 1.09 and 1.11, depth
 # 2's 1.19, 0.98 and 1.02, which the bench's own bare costs predicted
 # 0-5% apart (1.18 / 1.18, 1.14 / 1.11, 1.14 / 1.09).
+# A running controller also leaves the depth it runs only for a depth
+# predicted this much faster: the first cycle or two after a change of depth
+# run slower (at batch 1 here the first depth-2 cycle after depth 1 took
+# 5.8 ms against 5.4-5.6, and the first two depth-1 cycles after depth 2
+# 4.9-5.0 against 4.4-4.8), and a controller that crossed back and forth
+# near a tie paid for it: 0.949 of a fixed depth 1 over 50 paired rounds at
+# batch 1 greedy, where it ran 0.998 once it stayed put.
 DEPTH_TOLERANCE = 1.05
 
 
@@ -134,7 +141,7 @@ BARE_ROUNDS_BETWEEN = 2
 
 # While speculating, a controller that is told its cycles' launch times
 # (`DepthController.launched`) runs a short burst at a neighbouring depth
-# (one shallower, one deeper, or plain decoding, in turn) every
+# (one shallower and one deeper in turn; at depth 1, plain decoding) every
 # EXPLORE_EVERY cycles, so that `cycle_timing.CycleTimes` can measure what
 # each costs next to the depth it runs; a burst of EXPLORE_CYCLES gives two
 # intervals at its depth. Once every neighbour is measured (MIN_PAIRS pairs
@@ -237,6 +244,7 @@ class DepthController:
         self._explore_turn = 0
         self._measure_plain = False  # about to go off on calibration's word alone
         self._plain_bursts = 0  # bursts at plain decoding run to decide going off
+        self._current = 0  # the depth chosen last outside a burst
 
     def launched(self, depth: int, t: float, clean: bool) -> None:
         """The runtime launched a cycle at `depth` at time `t` (seconds);
@@ -269,6 +277,8 @@ class DepthController:
         costs = self.timing.costs() if self.timed else self.costs
         scores = {k: predicted_speedup(costs, acc, k) for k in range(1, self.max_depth + 1)}
         best = fastest_depth(scores)
+        if self._current in scores and scores[self._current] * DEPTH_TOLERANCE >= scores[best]:
+            best = self._current  # changing depth costs a slow cycle or two: only for a clear gain
         pays = max(scores.values()) >= SPECULATION_MARGIN
         keeps = pays if self.probing else max(scores.values()) >= KEEP_SPECULATING_ABOVE
         going_off = not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows)
@@ -286,6 +296,7 @@ class DepthController:
             self.probing = False
         if self.off:
             return 0
+        self._current = best
         return self._maybe_explore(best)
 
     def _maybe_explore(self, best: int) -> int:
@@ -293,7 +304,7 @@ class DepthController:
         one is due (see EXPLORE_EVERY)."""
         if not self.timed or self.probing or self.explore_every <= 0:
             return best
-        near = [k for k in dict.fromkeys((0, best - 1, best + 1)) if 0 <= k <= self.max_depth and k != best]
+        near = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_depth]
         if self._measure_plain:  # about to go off: plain decoding, after a few cycles at `best` to pair it with
             near, every = [0], 2 * EXPLORE_CYCLES
         elif all(self.timing.pair_count(k, best) >= self.timing.min_pairs for k in near):

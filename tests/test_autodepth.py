@@ -511,3 +511,24 @@ def test_a_timed_controller_whose_cycles_are_never_clean_goes_off_on_calibration
     # 64 cycles (min_rows at 4 rows) on, then MEASURE_PLAIN_BURSTS bursts
     # of 3 cycles with 6 between them: it did not keep measuring for ever.
     assert 64 <= cycles <= 64 + (MEASURE_PLAIN_BURSTS + 1) * 3 * EXPLORE_CYCLES
+
+
+def test_a_controller_changes_depth_only_for_a_gain_past_the_tolerance():
+    # d_1 is always accepted: depth 1 scores 2 x 10 / 12 = 1.667, depth 2
+    # (2 + q) x 10 / 14 with q the rate d_2 is accepted at.
+    costs = CycleCosts(1, {0: 10.0, 1: 12.0, 2: 14.0})
+
+    def observed(c, q):
+        rng = np.random.default_rng(0)
+        for _ in range(200):
+            c.observe(1 + (rng.random(8) < q).astype(np.int64), np.full(8, 2))
+
+    at2 = DepthController(costs, [0.8, 0.64], 2, prior_weight=1.0)
+    assert at2.choose() == 2
+    fresh = DepthController(costs, [0.8, 0.64], 2, prior_weight=1.0)
+    for c in (at2, fresh):
+        observed(c, 0.265)  # depth 1 now predicted about 3% faster than depth 2
+    assert fresh.choose() == 1  # from nowhere, the faster one
+    assert at2.choose() == 2  # from depth 2, not worth a change (DEPTH_TOLERANCE)
+    observed(at2, 0.12)  # about 10% faster
+    assert at2.choose() == 1
