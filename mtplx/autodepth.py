@@ -242,7 +242,6 @@ class DepthController:
         self._explore_left = 0  # cycles of the burst still to run
         self._explore_depth = 0
         self._explore_turn = 0
-        self._measure_plain = False  # about to go off on calibration's word alone
         self._plain_bursts = 0  # bursts at plain decoding run to decide going off
         self._current = 0  # the depth chosen last outside a burst
 
@@ -284,28 +283,29 @@ class DepthController:
         going_off = not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows)
         # Timed, it first measures plain decoding beside the depth it runs:
         # that comparison decides whether speculation pays.
-        self._measure_plain = going_off and self.timed and self.explore_every > 0 and not self.probing and (
+        measure_plain = going_off and self.timed and self.explore_every > 0 and not self.probing and (
             self.timing.pair_count(0, best) < self.timing.min_pairs and self._plain_bursts < MEASURE_PLAIN_BURSTS)
         if not going_off:
             self._plain_bursts = 0
         if self.off and self.rows_seen >= self.retry_rows:
             self.off, self.rows_seen, self.probing = False, 0, True
-        elif going_off and not self._measure_plain:
+        elif going_off and not measure_plain:
             self.off, self.rows_seen = True, 0
         if pays:
             self.probing = False
         if self.off:
             return 0
         self._current = best
-        return self._maybe_explore(best)
+        return self._maybe_explore(best, measure_plain)
 
-    def _maybe_explore(self, best: int) -> int:
+    def _maybe_explore(self, best: int, measure_plain: bool) -> int:
         """`best`, or the first cycle of a burst at a neighbouring depth when
-        one is due (see EXPLORE_EVERY)."""
+        one is due (see EXPLORE_EVERY); `measure_plain`: about to go off, so
+        plain decoding is due soon."""
         if not self.timed or self.probing or self.explore_every <= 0:
             return best
         near = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_depth]
-        if self._measure_plain:  # about to go off: plain decoding, after a few cycles at `best` to pair it with
+        if measure_plain:  # about to go off: plain decoding, after a few cycles at `best` to pair it with
             near, every = [0], 2 * EXPLORE_CYCLES
         elif all(self.timing.pair_count(k, best) >= self.timing.min_pairs for k in near):
             every = self.explore_every * EXPLORE_EVERY_MEASURED // EXPLORE_EVERY
@@ -318,7 +318,7 @@ class DepthController:
         self._explore_turn += 1
         self._explore_depth = near[self._explore_turn % len(near)]
         self._explore_left = EXPLORE_CYCLES - 1
-        if self._measure_plain:
+        if measure_plain:
             self._plain_bursts += 1
         return self._explore_depth
 

@@ -13,8 +13,8 @@ max_tokens and the same checkpoint, it times:
   `mtplx.gemm_layout`);
 - MTPLX (`MTPLXRuntime(max_batch=B)`) at each depth, and at depth "auto".
 After one short warm-up of each, the runs go in rounds (`repeats` of them,
-times 8 // prompts per run, at most 4, when a run has fewer than 8 prompts:
-such short runs are the noisiest, and cheap to repeat):
+times 8 // prompts per run when a run has fewer than 8 prompts: such
+short runs are the noisiest, and cheap to repeat):
 a round runs the baseline once, then MTPLX at every depth, in an order that
 rotates from round to round, so a slow spell does not land on one depth
 alone and every depth runs as often right after the baseline. Absolute times
