@@ -1,22 +1,27 @@
-"""Step 1 of a cycle, drafting d_1..d_k, as one compiled graph.
+"""Steps 0 and 1 of a cycle, the head catch-up and drafting d_1..d_k, as one
+compiled graph.
 
-Drafting alternates a draft choice (argmax, or a keyed draw from q) with a
+The catch-up is one head pass per head layer over the previous verify's
+pairs; its depth-1 output at each row's primary starts the chain. Drafting
+then alternates a draft choice (argmax, or a keyed draw from q) with a
 one-token head pass that feeds the head its own output back. Launched one
-graph at a time that is 2k-1 graph calls per cycle, each of which costs the
-CPU backend more to dispatch than its few small ops cost to run; traced as
-one graph per (k, sampling kind) it is one call.
+graph at a time that is a catch-up call per head layer plus 2k-1 graph
+calls, each of which costs the CPU backend more to dispatch than its few
+small ops cost to run; traced as one graph per (k, sampling kind) it is one
+call.
 
-The head entries the chain writes, from the head's own hidden states, are
-rolled back at the end of every cycle anyway (DESIGN "One decode cycle", step
-1). So the chain writes them into its own copies of the cache arrays and
-hands nothing back: the cache keeps its lengths and arrays, the positions
-past each row's length stay masked until the next catch-up overwrites them,
-and a non-finite draft hidden never lands in a cache.
+The catch-up's entries are kept: the head caches come back with them, each
+row's length advanced by the pairs it keeps. The entries the chain writes,
+from the head's own hidden states, are rolled back at the end of every cycle
+anyway (DESIGN "One decode cycle", step 1). So the chain writes them into
+copies of the cache arrays that nothing hands back: the positions past each
+row's length stay masked until the next catch-up overwrites them, and a
+non-finite draft hidden never lands in a cache.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -25,10 +30,22 @@ from .compiled import shadow_caches
 from .decide import choose_draft, sampling_arrays
 
 
+class HeadPending(NamedTuple):
+    """The head's depth-1 inputs the last verify left: pairs (H_t, token_t)
+    of which each row keeps `keep` and whose output at index `take` is the
+    primary's."""
+
+    hidden: mx.array  # [B, T, H]
+    tokens: mx.array  # [B, T]
+    take: mx.array  # [B]
+    keep: mx.array  # [B]
+
+
 class DraftChain:
-    """`chain(logits, hidden, keys, sampling, head_caches, k)` -> drafts
-    [B, k] and q [B, k, V] (None when every row is greedy), from the depth-1
-    head output at each row's primary: logits [B, V], hidden [B, H]."""
+    """`chain(pending, keys, sampling, head_caches, k, span)` -> drafts [B, k]
+    and q [B, k, V] (None when every row is greedy). `span` bounds the head
+    caches' lengths before the catch-up; after it, the caches hold its
+    entries and `host_max` bounds their new lengths."""
 
     def __init__(self, head, num_layers: int, rule: str, compiled: bool = True):
         self.head = head
@@ -37,36 +54,59 @@ class DraftChain:
         self.compiled = compiled
         self._fns: Dict[Tuple, Callable] = {}
 
-    def __call__(self, logits: mx.array, hidden: mx.array, keys: Optional[mx.array], sampling,
-                 head_caches: List[SlotKVCache], k: int):
+    def __call__(self, pending: HeadPending, keys: Optional[mx.array], sampling,
+                 head_caches: List[SlotKVCache], k: int, span: int):
         greedy = sampling.all_greedy
-        used = sorted({i % self.num_layers for i in range(1, k)})  # depth i+1 runs head layer i mod n
-        for j in used:
-            c = head_caches[j]
-            if c.keys is None:
-                raise RuntimeError("drafting needs the head caches written by the catch-up pass")
-            c.reserve(c.host_max + k - 1)  # the chain's entries must fit (they are not kept)
-        fn = self._fn(k, greedy, sampling.any_filter, tuple(used))
-        arrays = [a for j in used for a in (head_caches[j].keys, head_caches[j].values, head_caches[j].lengths)]
+        T = pending.tokens.shape[1]
+        for j, c in enumerate(head_caches):
+            if c.keys is None:  # only one-token prompts so far: no head entries yet
+                self._allocate(c, j, pending.hidden)
+            c.reserve(span + T + k - 1)  # the catch-up's entries, then the chain's (not kept)
+        fn = self._fn(k, greedy, sampling.any_filter)
+        arrays = [a for c in head_caches for a in (c.keys, c.values, c.lengths)]
         sampled = [] if greedy else [keys, *sampling_arrays(sampling)]
-        out = fn(logits, hidden, *sampled, *arrays)
+        out = fn(*pending, *sampled, *arrays)
+        n_drafts = 1 if greedy else 2
+        written = iter(out[n_drafts:])
+        for c in head_caches:
+            c.keys, c.values, c.lengths = next(written), next(written), next(written)
+            c.host_max = span + T
         return (out[0], None) if greedy else (out[0], out[1])
 
-    def _fn(self, k: int, greedy: bool, any_filter: bool, used: Tuple[int, ...]) -> Callable:
-        key = (k, greedy, any_filter, used)
+    def _allocate(self, cache: SlotKVCache, j: int, hidden: mx.array):
+        """Empty keys and values of the shapes head layer j writes (found by
+        one eager pass on a probe), for `reserve` to grow."""
+        probe = SlotKVCache(1)
+        self.head(mx.zeros((1, 1, hidden.shape[-1]), dtype=hidden.dtype), mx.zeros((1, 1), dtype=mx.int32),
+                  cache=_only(probe, j, self.num_layers), depth=j + 1)
+        B = cache.batch_size
+        cache.keys = mx.zeros((B, probe.keys.shape[1], 0, probe.keys.shape[3]), dtype=probe.keys.dtype)
+        cache.values = mx.zeros((B, probe.values.shape[1], 0, probe.values.shape[3]), dtype=probe.values.dtype)
+
+    def _fn(self, k: int, greedy: bool, any_filter: bool) -> Callable:
+        key = (k, greedy, any_filter)
         if key not in self._fns:
-            run = self._chain(k, greedy, any_filter, used)
+            run = self._graph(k, greedy, any_filter)
             self._fns[key] = mx.compile(run) if self.compiled else run
         return self._fns[key]
 
-    def _chain(self, k: int, greedy: bool, any_filter: bool, used: Tuple[int, ...]) -> Callable:
+    def _graph(self, k: int, greedy: bool, any_filter: bool) -> Callable:
         n, head, rule = self.num_layers, self.head, self.rule
 
-        def run(logits, hidden, *rest):
-            n_sampled = 0 if greedy else 6  # keys [B, k, 2] + the five sampling arrays
+        def run(cu_hidden, cu_tokens, take, keep, *rest):
+            n_sampled = 0 if greedy else 6  # keys [B, k+1, 2] + the five sampling arrays
             sampled, arrays = rest[:n_sampled], rest[n_sampled:]
-            # Caches over the given arrays: their writes make new arrays, never touching these.
-            caches = dict(zip(used, shadow_caches((SlotKVCache,) * len(used), arrays, T=1)))
+            # Step 0: every head layer's catch-up over the pending pairs, kept.
+            T = cu_tokens.shape[1]
+            caches = shadow_caches((SlotKVCache,) * n, arrays, T=T)
+            written = []
+            for j, cache in enumerate(caches):
+                lg, out = head(cu_hidden, cu_tokens, cache=_only(cache, j, n), depth=j + 1)  # [B, T, V], [B, T, H]
+                if j == 0:
+                    logits, hidden = _take_rows(lg, take), _take_rows(out, take)  # [B, V], [B, H]
+                written += [cache.keys, cache.values, arrays[3 * j + 2] + keep]
+            # Step 1: the chain, on caches over the written arrays (its writes make new arrays).
+            chain = shadow_caches((SlotKVCache,) * n, written, T=1)
             drafts, qs = [], []
             for i in range(1, k + 1):
                 keys_i = None if greedy else sampled[0][:, i - 1 : i]  # [B, 1, 2]
@@ -75,12 +115,21 @@ class DraftChain:
                 qs.append(q_i)
                 if i < k:
                     j = i % n
-                    cache = caches[j]
+                    cache = chain[j]
                     cache.host_max = cache.keys.shape[2] - 1  # again after a step on this layer: the whole capacity
-                    lg, out = head(hidden[:, None], d_i, cache=[cache if l == j else None for l in range(n)],
-                                   depth=j + 1)  # [B, 1, V], [B, 1, H]
+                    lg, out = head(hidden[:, None], d_i, cache=_only(cache, j, n), depth=j + 1)  # [B, 1, V], [B, 1, H]
                     logits, hidden = lg[:, 0], out[:, 0]
             d = mx.concatenate(drafts, axis=1)  # [B, k]
-            return [d] if greedy else [d, mx.concatenate(qs, axis=1)]  # [B, k], [B, k, V]
+            return ([d] if greedy else [d, mx.concatenate(qs, axis=1)]) + written  # [B, k], [B, k, V]
 
         return run
+
+
+def _only(cache: SlotKVCache, j: int, n: int) -> list:
+    """The head's cache list with layer j's cache alone (the others unused)."""
+    return [cache if l == j else None for l in range(n)]
+
+
+def _take_rows(x: mx.array, idx: mx.array) -> mx.array:
+    """x[b, idx[b]] for x [B, T, ...]."""
+    return mx.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]

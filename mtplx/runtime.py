@@ -4,8 +4,9 @@ commit, refill), as DESIGN.md "One decode cycle" describes it.
 A cycle over B slots at depth k:
   0. head catch-up: one head pass writes each row's verified pairs and
      (h, primary); its output at the primary gives q_1 for the draft.
-  1. draft d_1..d_k in one graph (depth i>1 feeds the head its own output
-     back; the head entries that writes are never kept, mtplx.draft_chain);
+  1. draft d_1..d_k (depth i>1 feeds the head its own output back; the head
+     entries that writes are never kept); steps 0 and 1 are one graph,
+     mtplx.draft_chain;
   2. verify [x_n, d_1..d_k] with one trunk forward;
   3. accept per row, vectorised (mtplx.sampling.speculative_accept);
   4. commit: trunk lengths += a_b + 1, each row's gated-delta state after its
@@ -24,10 +25,10 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from .compiled import SlotPass, head_layer
+from .compiled import SlotPass
 from .completion import Completion, Request, error_completion, find_stop_string
 from .decide import decide
-from .draft_chain import DraftChain
+from .draft_chain import DraftChain, HeadPending
 from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
@@ -70,10 +71,6 @@ class MTPLXRuntime:
         self.eos = set(model.eos_token_ids)
         # The verify keeps per-step gated-delta states only when commit can roll back.
         self._verify = SlotPass(model.forward, keep_pending=self.depth > 0, compiled=contract.compile)
-        self._head = [
-            SlotPass(head_layer(model.head, j), keep_pending=False, compiled=contract.compile)
-            for j in range(model.num_head_layers if self.depth > 0 else 0)
-        ]
         self._draft_chain = DraftChain(model.head, model.num_head_layers, contract.acceptance,
                                        compiled=contract.compile) if self.depth > 0 else None
         # When each recent cycle launch started. In steady decoding launch to
@@ -321,8 +318,7 @@ class MTPLXRuntime:
         num_valid = mx.clip(batch.max_tokens - batch.emitted - 1, 0, k)  # [B] rows near max_tokens draft fewer
 
         if k > 0:
-            self._head_catch_up(batch, span)
-            drafts, q = self._draft(batch, keys, k)  # [B, k], [B, k, V]
+            drafts, q = self._draft(batch, span, keys, k)  # [B, k], [B, k, V]
         else:
             drafts = mx.zeros((batch.size, 0), dtype=mx.int32)
             q = None
@@ -353,24 +349,12 @@ class MTPLXRuntime:
         self.stats["decode_seconds"] += time.perf_counter() - t0
         return _InFlight(rows, k, accepted, emitted_ids, d.num_valid, d.bad, d.logprobs)
 
-    def _head_catch_up(self, batch: SlotBatch, span: int):
-        """Write each row's pending verified pairs into every head layer; keep
-        the depth-1 output at the primary's pair for drafting."""
-        before = batch.head_lengths()
-        for c in batch.head:
-            c.host_max = span
-        T = batch.cu_tokens.shape[1]  # the previous cycle's k+1 pairs
-        for j in range(len(batch.head)):
-            logits, out = self._head[j]((batch.cu_hidden, batch.cu_tokens), [batch.head[j]], T=T)
-            if j == 0:
-                batch.head_logits = _take_rows(logits, batch.cu_take)  # [B, V]
-                batch.head_hidden = _take_rows(out, batch.cu_take)  # [B, H]
-        batch.set_head_lengths([l + batch.cu_keep for l in before], span + self.depth + 1)
-
-    def _draft(self, batch: SlotBatch, keys: mx.array, k: int):
-        """d_1..d_k per row; depth i>1 feeds the head its own output back.
-        One graph (mtplx.draft_chain), which leaves the head caches as they were."""
-        return self._draft_chain(batch.head_logits, batch.head_hidden, keys, batch.sampling, batch.head, k)
+    def _draft(self, batch: SlotBatch, span: int, keys: Optional[mx.array], k: int):
+        """Head catch-up, then d_1..d_k per row (depth i>1 feeds the head its
+        own output back), in one graph (mtplx.draft_chain); only the
+        catch-up's entries stay in the head caches."""
+        pending = HeadPending(batch.cu_hidden, batch.cu_tokens, batch.cu_take, batch.cu_keep)
+        return self._draft_chain(pending, keys, batch.sampling, batch.head, k, span)
 
     # -- reading a finished cycle (host) -------------------------------------
     def _collect(self, batch: SlotBatch, inf: "_InFlight") -> List[Completion]:
@@ -542,11 +526,6 @@ def _key_hash(req: Request) -> int:
     if req.sampling.seed is not None:
         base = row_hash((base, int(req.sampling.seed)))
     return base
-
-
-def _take_rows(x: mx.array, idx: mx.array) -> mx.array:
-    """x[b, idx[b]] for x [B, T, ...]."""
-    return mx.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
 def _trim(row: Row):

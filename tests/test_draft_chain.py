@@ -1,5 +1,5 @@
-"""The draft chain (one graph for d_1..d_k) against the head run one step at a
-time, eagerly, on its own copies of the caches."""
+"""The draft chain (one graph for the head catch-up and d_1..d_k) against the
+head run one pass at a time, eagerly, on its own copies of the caches."""
 
 import json
 
@@ -9,7 +9,7 @@ import pytest
 
 import mtplx
 from mtplx.cache import SlotKVCache
-from mtplx.draft_chain import DraftChain
+from mtplx.draft_chain import DraftChain, HeadPending
 from mtplx.sampling import SamplingParams, batch_sampling, draft_tokens, greedy_tokens, target_probs
 from mtplx.testing import tiny_checkpoint
 
@@ -76,27 +76,53 @@ def step_by_step(model, logits, hidden, keys, sampling, caches, k, rule):
     return mx.concatenate(drafts, axis=1), (mx.concatenate(qs, axis=1) if qs else None)
 
 
+def caught_up(model, pending, caches):
+    """DESIGN step 0 eagerly: every head layer writes the pending pairs; each
+    row keeps `keep` of them. -> the caches and the depth-1 (logits, hidden)
+    at each row's primary."""
+    caches = [copy_of(c) for c in caches]
+    n = model.num_head_layers
+    for j, c in enumerate(caches):
+        before = c.lengths
+        lg, out = model.head(pending.hidden, pending.tokens, cache=[c if l == j else None for l in range(n)],
+                             depth=j + 1)  # [B, T, V], [B, T, H]
+        if j == 0:
+            rows = mx.arange(B)
+            logits, hidden = lg[rows, pending.take], out[rows, pending.take]  # [B, V], [B, H]
+        c.lengths = before + pending.keep
+    return caches, logits, hidden
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_draft_chain_drafts_what_the_head_fed_its_own_output_drafts_and_leaves_the_caches(model, compiled, temperature):
+def test_draft_chain_catches_the_head_up_then_drafts_what_the_head_fed_its_own_output_drafts(model, compiled,
+                                                                                             temperature):
     rng = np.random.default_rng(1)
     caches = head_caches(model, [5, 9, 2])
-    before = [(c.keys, c.values, c.lengths, c.host_max) for c in caches]
-    logits = mx.array(rng.normal(size=(B, VOCAB)).astype(np.float32) * 3)
-    hidden = mx.array(rng.normal(size=(B, hidden_size(model))).astype(np.float32))
+    T = 3
+    pending = HeadPending(
+        hidden=mx.array(rng.normal(size=(B, T, hidden_size(model))).astype(np.float32)),
+        tokens=mx.array(rng.integers(0, VOCAB, size=(B, T)), dtype=mx.int32),
+        take=mx.array([2, 0, 1], dtype=mx.int32),
+        keep=mx.array([3, 1, 2], dtype=mx.int32),
+    )
     sampling = batch_sampling([SamplingParams(temperature=temperature, top_k=0 if i else 7) for i in range(B)])
     k = 4
-    keys = mx.array(rng.integers(0, 2**32, size=(B, k, 2), dtype=np.uint32))
+    keys = mx.array(rng.integers(0, 2**32, size=(B, k + 1, 2), dtype=np.uint32))
+    ref_caches, logits, hidden = caught_up(model, pending, caches)
+    ref_drafts, ref_q = step_by_step(model, logits, hidden, keys, sampling, ref_caches, k, "residual")
     chain = DraftChain(model.head, model.num_head_layers, "residual", compiled=compiled)
-    drafts, q = chain(logits, hidden, keys, sampling, caches, k)
-    ref_drafts, ref_q = step_by_step(model, logits, hidden, keys, sampling, caches, k, "residual")
+    drafts, q = chain(pending, keys, sampling, caches, k, span=9)
     assert drafts.shape == (B, k) and drafts.tolist() == ref_drafts.tolist()
     if temperature == 0.0:
         assert q is None
     else:
         assert q.shape == (B, k, VOCAB)
         np.testing.assert_allclose(np.array(q), np.array(ref_q), atol=1e-5)
-    for c, (keys_, values, lengths, host_max) in zip(caches, before):  # nothing the chain wrote is kept
-        assert c.lengths.tolist() == lengths.tolist() and c.host_max == host_max
-        L = keys_.shape[2]
-        assert mx.array_equal(c.keys[:, :, :L], keys_) and mx.array_equal(c.values[:, :, :L], values)
+    # The catch-up's entries are kept, the chain's are not: every row's
+    # entries up to its new length are the eager catch-up's.
+    for c, ref in zip(caches, ref_caches):
+        assert c.lengths.tolist() == [5 + 3, 9 + 1, 2 + 2] and c.host_max == 9 + T
+        for b, n in enumerate(c.lengths.tolist()):
+            np.testing.assert_allclose(np.array(c.keys[b, :, :n]), np.array(ref.keys[b, :, :n]), atol=1e-5)
+            np.testing.assert_allclose(np.array(c.values[b, :, :n]), np.array(ref.values[b, :, :n]), atol=1e-5)

@@ -88,6 +88,21 @@ def _generate_each_max(rt, prompts, max_tokens):
     return sorted(rt.stream(reqs), key=lambda c: c.index)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+def test_one_token_prompts_draft_and_decode_exactly(models, family):
+    # A one-token prompt leaves the head no pairs to prefill: with only such
+    # rows the head caches start empty and the first catch-up allocates them.
+    model = models[family]
+    prompts = [[5], [17]]
+    refs = [mlx_lm_greedy(model, p, 12) for p in prompts]
+    for compile_ in (True, False):
+        outs = MTPLXRuntime(model, MTPContract(depth=2, compile=compile_), max_batch=2).generate(prompts, max_tokens=12)
+        ties = []
+        for p, out, ref in zip(prompts, outs, refs):
+            assert_same_up_to_ties(model, p, out.tokens, ref, ties)
+        assert sum(sum(o.accepted_by_depth) for o in outs) > 0
+
+
 def test_refill_gives_each_prompt_what_it_gets_alone(models):
     model = models["qwen3_5"]
     prompts = _prompts(20, seed=3)
