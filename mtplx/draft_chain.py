@@ -101,9 +101,11 @@ class DraftChain:
             caches = shadow_caches((SlotKVCache,) * n, arrays, T=T)
             written = []
             for j, cache in enumerate(caches):
-                lg, out = head(cu_hidden, cu_tokens, cache=_only(cache, j, n), depth=j + 1)  # [B, T, V], [B, T, H]
+                # Only the output at each row's primary is used: the head's
+                # MLP and LM head run there alone (families.common.decoder_block).
+                lg, out = head(cu_hidden, cu_tokens, cache=_only(cache, j, n), depth=j + 1, at=take)  # [B, 1, V], [B, 1, H]
                 if j == 0:
-                    logits, hidden = _take_rows(lg, take), _take_rows(out, take)  # [B, V], [B, H]
+                    logits, hidden = lg[:, 0], out[:, 0]  # [B, V], [B, H]
                 written += [cache.keys, cache.values, arrays[3 * j + 2] + keep]
             # Step 1: the chain, on caches over the written arrays (its writes make new arrays).
             chain = shadow_caches((SlotKVCache,) * n, written, T=1)
@@ -128,8 +130,3 @@ class DraftChain:
 def _only(cache: SlotKVCache, j: int, n: int) -> list:
     """The head's cache list with layer j's cache alone (the others unused)."""
     return [cache if l == j else None for l in range(n)]
-
-
-def _take_rows(x: mx.array, idx: mx.array) -> mx.array:
-    """x[b, idx[b]] for x [B, T, ...]."""
-    return mx.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]

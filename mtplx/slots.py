@@ -201,13 +201,6 @@ class SlotBatch:
             if isinstance(c, SlotKVCache):
                 c.set_lengths(lengths + keep, span)
 
-    def head_lengths(self) -> list:
-        return [c.lengths for c in self.head]
-
-    def set_head_lengths(self, lengths: list, span: int):
-        for c, l in zip(self.head, lengths):
-            c.set_lengths(l, span)
-
     def cache_state(self) -> list:
         """The arrays a cycle leaves behind, to evaluate with its outputs."""
         out = [self.primary, self.emitted, self.cu_tokens, self.cu_take, self.cu_keep]

@@ -193,6 +193,23 @@ def test_head_forward_equals_plain_op_reference(checkpoints, family):
     assert close(out, ref_out)
 
 
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_head_output_at_one_position_per_row_is_that_position_of_the_full_pass(checkpoints, family):
+    """`at` (the catch-up's): the MLP and output head run at each row's
+    position alone; the output there and every position's cache entries are
+    the full pass's."""
+    path, model, raw, layout = checkpoints(family)
+    hidden, tokens = fixed_inputs(3, 4, model.text_model.embed_tokens.weight.shape[1], seed=5)
+    at = mx.array([3, 0, 2], dtype=mx.int32)
+    full_cache, cache = SlotKVCache(3), SlotKVCache(3)
+    logits, out = model.head(hidden, tokens, [full_cache])
+    logits_at, out_at = model.head(hidden, tokens, [cache], at=at)
+    rows = mx.arange(3)
+    assert logits_at.shape == (3, 1, VOCAB) and out_at.shape == (3, 1, hidden.shape[-1])
+    assert close(logits_at[:, 0], logits[rows, at]) and close(out_at[:, 0], out[rows, at])
+    assert close(cache.keys, full_cache.keys) and close(cache.values, full_cache.values)
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v3", "mimo"])
 def test_several_mtp_layers_are_several_head_layers_used_round_robin(checkpoints, family):
     path, model, raw, layout = checkpoints(family, **mtp_overrides(family, 2))

@@ -48,6 +48,24 @@ def sanitize_as_trunk_layer(
     return result
 
 
+def decoder_block(layer, x: mx.array, mask, cache, at=None) -> mx.array:
+    """A head's decoder layer over x [B, T, H] -> [B, T, H]; given `at` [B],
+    only row b's position at[b] comes out: [B, 1, H].
+
+    Every position still goes through attention, which writes its K/V into
+    the cache, but the MLP runs on the kept positions alone: a catch-up over
+    k+1 pairs needs the head's output at one of them, and an MoE MLP over
+    the other k is most of a head pass on the CPU. The ops are those of the
+    pre-norm block every supported family's mlx-lm layer runs (attention,
+    then MLP, each with its residual), on fewer rows.
+    """
+    if at is None:
+        return layer(x, mask, cache)
+    h = x + layer.self_attn(layer.input_layernorm(x), mask, cache)  # [B, T, H]
+    h = mx.take_along_axis(h, at.reshape(-1, 1, 1), axis=1)  # [B, 1, H]
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 def _same_tail(key: str, extra_key: str) -> bool:
     return key.endswith(extra_key.split("model.", 1)[-1])
 

@@ -51,7 +51,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
 from ..mtp_patch import CheckpointError, FamilyAdapter, register
-from .common import load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
+from .common import decoder_block, load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
 
 # Suffixes of an MTP layer that are not part of its decoder layer.
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
@@ -96,15 +96,16 @@ class DeepSeekMTPHead(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DeepSeekMTPLayer(args, layer_cls, first_layer_idx + j) for j in range(num_layers)]
 
-    def __call__(self, hidden, next_tokens, cache=None, depth: int = 1):
+    def __call__(self, hidden, next_tokens, cache=None, depth: int = 1, at=None):
         # hidden [B, T, H], next_tokens [B, T] -> logits [B, T, V], out [B, T, H]
+        # (T = 1 given `at` [B], each row's output position: common.decoder_block)
         j = (depth - 1) % len(self.layers)
         layer = self.layers[j]
         c = None if cache is None else cache[j]
         e = zero_embedding_at_position0(self.embed_tokens(next_tokens), c)
         x = layer.eh_proj(mx.concatenate([layer.enorm(e), layer.hnorm(hidden)], axis=-1))
         mask = create_attention_mask(x, c, return_array=True)
-        x = layer.mtp_block(x, mask, c)  # [B, T, H]: fed back for depth > 1
+        x = decoder_block(layer.mtp_block, x, mask, c, at)  # [B, T, H]: fed back for depth > 1
         return layer.shared_head.head(layer.shared_head.norm(x)), x
 
 

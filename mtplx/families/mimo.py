@@ -37,7 +37,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
 from ..mtp_patch import CheckpointError, FamilyAdapter, register
-from .common import bind_shared, load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
+from .common import bind_shared, decoder_block, load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
 from .deepseek import zero_embedding_at_position0
 
 _OWN = ("token_layernorm.", "hidden_layernorm.", "input_proj.", "final_layernorm.")
@@ -60,16 +60,16 @@ class MiMoMTPHead(nn.Module):
         super().__init__()
         self.layers = [MiMoMTPLayer(args, layer_cls) for _ in range(num_layers)]
 
-    def __call__(self, hidden, next_tokens, cache=None, depth: int = 1):
+    def __call__(self, hidden, next_tokens, cache=None, depth: int = 1, at=None):
         # hidden [B, T, H] (pre-norm trunk state), next_tokens [B, T]
-        # -> logits [B, T, V], out [B, T, H]
+        # -> logits [B, T, V], out [B, T, H] (T = 1 given `at`: common.decoder_block)
         j = (depth - 1) % len(self.layers)
         layer = self.layers[j]
         c = None if cache is None else cache[j]
         e = zero_embedding_at_position0(self.embed(next_tokens), c)
         x = layer.input_proj(mx.concatenate([layer.hidden_layernorm(hidden), layer.token_layernorm(e)], axis=-1))
         mask = create_attention_mask(x, c, return_array=True)
-        x = layer.mtp_block(x, mask, c)  # [B, T, H]: fed back for depth > 1
+        x = decoder_block(layer.mtp_block, x, mask, c, at)  # [B, T, H]: fed back for depth > 1
         return self.lm_head(layer.final_layernorm(x)), x
 
 

@@ -27,7 +27,7 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 from ..cache import SlotGDNCache
 from ..gated_delta_chunked import chunked_gated_delta, log_gate
 from ..mtp_patch import CheckpointError, FamilyAdapter, register
-from .common import bind_shared, load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
+from .common import bind_shared, decoder_block, load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
 
 _HEAD_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
 
@@ -42,15 +42,16 @@ class QwenMTPHead(nn.Module):
         self.layers = [layer_cls(args, ref_layer_idx) for _ in range(num_layers)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
 
-    def __call__(self, hidden, next_tokens, cache=None, depth: int = 1):
+    def __call__(self, hidden, next_tokens, cache=None, depth: int = 1, at=None):
         # hidden [B, T, H], next_tokens [B, T] -> logits [B, T, V], out [B, T, H]
+        # (T = 1 given `at` [B], each row's output position: common.decoder_block)
         e = self.pre_fc_norm_embedding(self.embed(next_tokens))
         h = self.pre_fc_norm_hidden(hidden)
         x = self.fc(mx.concatenate([e, h], axis=-1))  # [B, T, H]
         j = (depth - 1) % len(self.layers)
         c = None if cache is None else cache[j]
         mask = create_attention_mask(x, c, return_array=True)
-        x = self.layers[j](x, mask, c)
+        x = decoder_block(self.layers[j], x, mask, c, at)
         out = self.norm(x)
         return self.lm_head(out), out
 
