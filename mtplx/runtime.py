@@ -29,6 +29,7 @@ from .compiled import SlotPass
 from .completion import Completion, Request, error_completion, find_stop_string
 from .decide import decide
 from .draft_chain import DraftChain, HeadPending
+from .cpu_activations import use_fast_activations
 from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
@@ -52,6 +53,7 @@ class MTPLXRuntime:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         lay_out_for_cpu_gemm(model)
+        use_fast_activations(model)
         self.model = model
         self.contract = contract
         self.max_batch = max_batch

@@ -163,6 +163,12 @@ def _depthwise_conv(x, weight, S: int):
     return out
 
 
+def _conv_activation(gdn):
+    """silu, or the layer's `conv_activation` (mtplx.cpu_activations swaps
+    in the same silu over a faster exp on the CPU)."""
+    return getattr(gdn, "conv_activation", nn.silu)
+
+
 def split_qkv(gdn, conv_out):
     """The layer's conv output [B, S, C] -> normalised q, k [B, S, Hk, Dk] and
     v [B, S, Hv, Dv], exactly as the layer's own forward does it."""
@@ -192,7 +198,7 @@ def gated_delta_verify(gdn, x, cache: SlotGDNCache):
     K = gdn.conv_kernel_size
     cache.ensure((K - 1, gdn.conv_dim), x.dtype, (gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim))
     conv_input = mx.concatenate([cache.conv, mixed], axis=1)  # [B, K-1+S, C]
-    conv_out = nn.silu(_depthwise_conv(conv_input, gdn.conv1d.weight, S))  # [B, S, C]
+    conv_out = _conv_activation(gdn)(_depthwise_conv(conv_input, gdn.conv1d.weight, S))  # [B, S, C]
     q, k, v = split_qkv(gdn, conv_out)
     out, states = _recurrence(gdn, q, k, v, a, b, cache.state)  # [B, S, Hv, Dv], S x [B, Hv, Dv, Dk]
     state = states[-1]
@@ -277,7 +283,7 @@ def gated_delta_prefill(gdn, x, mask, cache):
         cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(K - 1))[..., None], axis=1)
     else:
         cache[0] = mx.contiguous(conv_input[:, -(K - 1):, :])
-    conv_out = nn.silu(gdn.conv1d(conv_input))  # [B, S, C]
+    conv_out = _conv_activation(gdn)(gdn.conv1d(conv_input))  # [B, S, C]
     q, k, v = split_qkv(gdn, conv_out)
     log_g = log_gate(gdn.A_log, a, gdn.dt_bias)  # [B, S, Hv]
     beta = mx.sigmoid(b)  # [B, S, Hv]

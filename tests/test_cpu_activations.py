@@ -1,0 +1,72 @@
+"""SwiGLU over a polynomial exp for the CPU backend (mtplx.cpu_activations):
+close to MLX's exp everywhere, and models that compute what mlx-lm computes."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import mtplx
+from mtplx.cpu_activations import fast_exp, fast_swiglu, use_fast_activations
+from mtplx.testing import tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the swap is for the CPU backend")
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"]
+
+
+def test_fast_exp_is_within_3e_7_of_exp_over_the_float32_range_and_saturates_outside():
+    x = np.concatenate([np.linspace(-87, 88, 200_001), np.random.default_rng(0).normal(0, 5, 100_000)])
+    got = np.array(fast_exp(mx.array(x.astype(np.float32)))).astype(np.float64)
+    want = np.exp(x.astype(np.float32).astype(np.float64))
+    assert np.max(np.abs(got - want) / want) < 3e-7  # MLX's own CPU exp: 3.9e-6
+    edges = np.array(fast_exp(mx.array([-1e4, -np.inf, 1e4, np.inf, np.nan], dtype=mx.float32)))
+    assert 0 < edges[0] == edges[1] < 1e-37 and np.isfinite(edges[2]) and edges[2] == edges[3] > 1e38
+    assert np.isnan(edges[4])
+
+
+def test_fast_swiglu_matches_mlx_lms_swiglu():
+    from mlx_lm.models.activations import swiglu
+
+    rng = np.random.default_rng(1)
+    gate = mx.array(rng.normal(0, 4, (64, 300)).astype(np.float32))
+    x = mx.array(rng.normal(0, 1, (64, 300)).astype(np.float32))
+    np.testing.assert_allclose(np.array(fast_swiglu(gate, x)), np.array(swiglu(gate, x)), rtol=1e-5, atol=1e-6)
+    saturated = np.array(fast_swiglu(mx.array([-200.0, 200.0]), mx.array([1.0, 1.0])))
+    assert abs(saturated[0]) < 1e-30 and saturated[1] == 200.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_swapped_model_computes_what_mlx_lm_computes_and_other_loads_are_untouched(tmp_path, family):
+    path = tiny_checkpoint(family, tmp_path / family, vocab_size=48)
+    model, other = mtplx.load(path), mtplx.load(path)
+    tokens = mx.array([[3, 17, 5, 29, 11, 8, 40]])
+    logits, hidden = model.forward(tokens)
+    head_logits, head_out = model.head(hidden, tokens)
+    before = {type(m) for _, m in other.trunk.named_modules()}
+
+    count = use_fast_activations(model)
+    assert count > 0 and use_fast_activations(model) == count  # once
+    assert any(type(m).__name__.startswith("Fast") for _, m in model.trunk.named_modules())
+    assert {type(m) for _, m in other.trunk.named_modules()} == before
+    new_logits, new_hidden = model.forward(tokens)
+    new_head_logits, new_head_out = model.head(new_hidden, tokens)
+    for got, want in ((new_logits, logits), (new_hidden, hidden), (new_head_logits, head_logits), (new_head_out, head_out)):
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item()
+    assert not mx.array_equal(new_logits, logits).item()  # the activations did change
+
+
+def test_gated_delta_layers_take_the_fast_conv_activation_and_gated_norm(tmp_path):
+    from mtplx.cpu_activations import fast_silu
+    from mtplx.families.qwen import _conv_activation
+
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "q", vocab_size=48))
+    gdns = [layer.linear_attn for layer in model.text_model.layers if hasattr(layer, "linear_attn")]
+    assert gdns and all(_conv_activation(g) is nn.silu for g in gdns)
+    use_fast_activations(model)
+    assert all(_conv_activation(g) is fast_silu for g in gdns)
+    assert all(type(g.norm).__name__ == "FastQwen3NextRMSNormGated" for g in gdns)
+    D = gdns[0].norm.weight.shape[0]
+    x, z = mx.random.normal((2, 3, D)), mx.random.normal((2, 3, D))
+    want = mx.fast.rms_norm(x, gdns[0].norm.weight, gdns[0].norm.eps) * (z * mx.sigmoid(z))
+    assert mx.allclose(gdns[0].norm(x, z), want, rtol=1e-5, atol=1e-6).item()
