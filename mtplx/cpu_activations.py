@@ -1,27 +1,37 @@
-"""SwiGLU activations with an exp the CPU backend runs several times faster.
+"""Exp-heavy ops of prompt passes with an exp the CPU backend runs faster.
 
 MLX's CPU `exp` (behind `sigmoid`, `silu` and `softmax`) computes one
 element at a time: 12.5 ms per million floats on this machine, where an add
-takes 0.16 ms and NumPy's exp 0.6 ms. A model's MLPs apply `silu` to every
-hidden unit of every token, so at prefill and at batch 16 the exps are a
-large share of a pass (batch 16, 128-token prompts, the built-in model:
-about a quarter of the prefill in the MLPs' SwiGLU alone).
+takes 0.16 ms and NumPy's exp 0.6 ms. A prompt pass applies `silu` to every
+hidden unit of every token and a softmax to every query-key pair, so exps
+are a large share of a prefill (batch 16, 128-token prompts, built-in
+model: about 60% of it, in the MLPs, attention, and Qwen's gated-delta conv
+and gated norm).
 
 `fast_exp` is the textbook range reduction exp(x) = 2^n exp(r),
 |r| <= ln2 / 2, with a degree-6 polynomial for exp(r) and 2^n built in the
-exponent bits: a dozen elementwise ops that `mx.compile` fuses into one
-kernel, 3.4 ms per million here. Its relative error is at most 2.5e-7 over
-[-87, 88] against float64 (MLX's own CPU exp: 3.9e-6); below and above that
-range it returns exp(-87) and exp(88), so a sigmoid still saturates to 0 and
-1 and NaN stays NaN.
+exponent bits: 3.4 ms per million here, compiled. Its relative error is at
+most 2.5e-7 over [-87, 88] against float64 (MLX's own CPU exp: 3.9e-6);
+below that range it returns 0 and above it exp(88), so a sigmoid still
+saturates to 0 and 1, a masked softmax entry weighs exactly nothing, and NaN
+stays NaN.
 
-`use_fast_activations` swaps, in place and once, the SwiGLU of every MLP of
-a model's trunk and head that runs mlx-lm's own SwiGLU (`_swiglu_mlps`, and
-the experts' `SwitchGLU`), the gated RMSNorm of Qwen's gated-delta layers and
-their conv's silu for the same products over `fast_exp`. Only on the
-CPU: GPU backends vectorise exp. Like `gemm_layout`, `mtplx.load` leaves the
-model as mlx-lm computes it; the runtime and the cost measurements that plan
-for it swap the model they decode with.
+Only passes over at least `FAST_MIN_POSITIONS` positions per row use it:
+prompt chunks, never a decode step or a verify. The exponent-bits view
+splits a compiled graph's fused kernels, so in a compiled decode pass the
+polynomial costs more graph nodes than its exps save at small batches (a
+chain of 60 silus over 288 floats: 1.3-3.7 ms against 0.3), and a rule on
+positions, unlike one on sizes, keeps a row's decode numerics the same at
+every batch size and verify width (`tests/test_gemm_layout.py`).
+
+`use_fast_activations` swaps, in place and once, the mlx-lm classes whose
+exp-heavy op it replaces (`_swaps`) for subclasses that run the same ops
+with `fast_exp` on prompt passes: dense MLPs' SwiGLU, Qwen's attention
+(softmax and output gate) and gated RMSNorm, and the gated-delta conv's silu
+(read by MTPLX's own prefill forward). Mixture-of-experts MLPs keep
+mlx-lm's. Only on the CPU: GPU backends vectorise exp. Like `gemm_layout`,
+`mtplx.load` leaves the model as mlx-lm computes it; the runtime and the
+cost measurements that plan for it swap the model they decode with.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ _INV_FACTORIALS = (1.0, 1.0, 1 / 2, 1 / 6, 1 / 24, 1 / 120, 1 / 720)
 
 def fast_exp(x: mx.array) -> mx.array:
     """exp(x) for float32 x, as elementwise ops that compile into one kernel."""
+    low = x < -87.0  # exp underflows: 0, as a masked softmax entry must be
     x = mx.clip(x, -87.0, 88.0)
     n = mx.floor(x * _LOG2E + 0.5)
     r = (x - n * _LN2_HI) - n * _LN2_LO  # |r| <= ln2 / 2
@@ -46,7 +57,17 @@ def fast_exp(x: mx.array) -> mx.array:
     for c in reversed(_INV_FACTORIALS[:-1]):
         p = p * r + c  # Horner: sum r^i / i!
     two_n = ((n.astype(mx.int32) + 127) << 23).view(mx.float32)  # 2^n in the exponent bits
-    return p * two_n
+    return mx.where(low, 0.0, p * two_n)
+
+
+# Passes over this many positions per row (x [B, T, ...]) take the fast
+# forms: prompt chunks (the same bound as the chunk-wise gated-delta prefill,
+# families.qwen.CHUNKED_PREFILL_MIN), never a decode step or verify.
+FAST_MIN_POSITIONS = 16
+
+
+def _prompt_pass(x: mx.array) -> bool:
+    return x.ndim >= 2 and x.shape[1] >= FAST_MIN_POSITIONS
 
 
 @mx.compile  # traced per shape: the exponent-bits view has no shapeless form
@@ -57,8 +78,13 @@ def fast_swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 @mx.compile
 def fast_silu(x: mx.array) -> mx.array:
-    """x * sigmoid(x) with `fast_exp` (the gated-delta layers' conv activation)."""
+    """x * sigmoid(x) with `fast_exp`."""
     return x / (1.0 + fast_exp(-x))
+
+
+def conv_silu(x: mx.array) -> mx.array:
+    """The gated-delta layers' conv activation, x [B, S, C]: `fast_silu` on prompt passes."""
+    return fast_silu(x) if _prompt_pass(x) else nn.silu(x)
 
 
 @mx.compile
@@ -68,24 +94,100 @@ def fast_precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
     return (gate / (1.0 + fast_exp(-gate)) * x.astype(mx.float32)).astype(h.dtype)
 
 
+@mx.compile
+def _softmax(scores: mx.array) -> mx.array:
+    """softmax over the last axis in float32 with `fast_exp`."""
+    scores = scores.astype(mx.float32)
+    e = fast_exp(scores - scores.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@mx.compile
+def _masked_softmax(scores: mx.array, allowed: mx.array) -> mx.array:
+    """`_softmax` over the entries where `allowed` (bool, broadcastable)."""
+    return _softmax(mx.where(allowed, scores.astype(mx.float32), -mx.inf))
+
+
+def fast_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    """What `mx.fast.scaled_dot_product_attention` computes on the CPU (its
+    fallback: scores, a float32 softmax, values), with `fast_exp`.
+    q [B, Hq, L, D], k and v [B, Hkv, S, D] (Hq a multiple of Hkv); mask
+    None, "causal", bool (True: attend) or additive, broadcastable to
+    [B, Hq, L, S] -> [B, Hq, L, Dv]."""
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    q = (q * scale).reshape(B, Hkv, rep, L, D)
+    scores = q @ k[:, :, None].swapaxes(-1, -2)  # [B, Hkv, rep, L, S]
+    allowed = None
+    if isinstance(mask, str):  # "causal": query i sits at position S - L + i
+        allowed = mx.arange(S)[None, :] <= (S - L + mx.arange(L))[:, None]  # [L, S]
+    elif mask is not None:
+        mask = _per_group(mask, Hkv, rep)
+        if mask.dtype == mx.bool_:
+            allowed = mask
+        else:
+            scores = scores + mask
+    p = (_softmax(scores) if allowed is None else _masked_softmax(scores, allowed)).astype(v.dtype)  # [B, Hkv, rep, L, S]
+    return (p @ v[:, :, None]).reshape(B, Hq, L, -1)
+
+
+def _per_group(mask: mx.array, Hkv: int, rep: int) -> mx.array:
+    """A mask over [(B,) (H,) L, S] laid out over [B, Hkv, rep, L, S]."""
+    if mask.ndim < 4 or mask.shape[1] == 1:
+        return mask[..., None, :, :] if mask.ndim == 4 else mask
+    return mask.reshape(mask.shape[0], Hkv, rep, *mask.shape[2:])
+
+
+def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    # Qwen3NextAttention's own __call__, with fast_attention and a fast
+    # sigmoid gate on prompt passes.
+    if hasattr(cache, "bits"):  # a quantized KV cache: mlx-lm's own attention
+        return type(self).__bases__[0].__call__(self, x, mask, cache)
+    B, L, D = x.shape
+    queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
+    gate = gate.reshape(B, L, -1)
+    keys, values = self.k_proj(x), self.v_proj(x)
+    queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+    keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+    values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    if cache is not None:
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+    else:
+        queries, keys = self.rope(queries), self.rope(keys)
+    if _prompt_pass(x):
+        output = fast_attention(queries, keys, values, self.scale, mask)
+        gate = _fast_sigmoid(gate)
+    else:
+        output = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        gate = mx.sigmoid(gate)
+    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    return self.o_proj(output * gate)
+
+
+@mx.compile
+def _fast_sigmoid(x: mx.array) -> mx.array:
+    return 1.0 / (1.0 + fast_exp(-x))
+
+
 def _gated_norm_call(self, hidden_states: mx.array, gate=None) -> mx.array:
     # Qwen3NextRMSNormGated's own __call__, with fast_precise_swiglu.
+    from mlx_lm.models.activations import precise_swiglu
+
     x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
     if gate is not None:
-        return fast_precise_swiglu(hidden_states, gate, x)
+        return (fast_precise_swiglu if _prompt_pass(gate) else precise_swiglu)(hidden_states, gate, x)
     return x.astype(hidden_states.dtype)
 
 
 def _swiglu_mlp_call(self, x: mx.array) -> mx.array:
     # The same as each of _SWIGLU_MLPS' own __call__, with fast_swiglu.
-    return self.down_proj(fast_swiglu(self.gate_proj(x), self.up_proj(x)))
+    from mlx_lm.models.activations import swiglu
 
-
-class FastSwiGLU(nn.Module):
-    """mlx-lm's `switch_layers.SwiGLU` (the experts' activation): (x, gate) -> silu(gate) * x."""
-
-    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return fast_swiglu(gate, x)
+    act = fast_swiglu if _prompt_pass(x) else swiglu
+    return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
 
 def _swiglu_mlps() -> tuple:
@@ -103,8 +205,9 @@ def _swaps() -> dict:
 
     swaps = {cls: {"__call__": _swiglu_mlp_call} for cls in _swiglu_mlps()}
     swaps[qwen3_next.Qwen3NextRMSNormGated] = {"__call__": _gated_norm_call}
+    swaps[qwen3_next.Qwen3NextAttention] = {"__call__": _qwen_attention_call}
     for cls in (qwen3_next.Qwen3NextGatedDeltaNet, qwen3_5.GatedDeltaNet):
-        swaps[cls] = {"conv_activation": staticmethod(fast_silu)}
+        swaps[cls] = {"conv_activation": staticmethod(conv_silu)}
     return swaps
 
 
@@ -125,16 +228,11 @@ def use_fast_activations(model) -> int:
 
 
 def _swap(module) -> int:
-    from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
-
     swaps = _swaps()
     count = 0
     for _, m in module.named_modules():
         if type(m) in swaps:
             m.__class__ = _fast_class(type(m), swaps[type(m)])
-            count += 1
-        elif isinstance(m, SwitchGLU) and type(m.activation) is SwiGLU:
-            m.activation = FastSwiGLU()
             count += 1
     return count
 

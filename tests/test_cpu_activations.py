@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mtplx
-from mtplx.cpu_activations import fast_exp, fast_swiglu, use_fast_activations
+from mtplx.cpu_activations import fast_attention, fast_exp, fast_swiglu, use_fast_activations
 from mtplx.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the swap is for the CPU backend")
@@ -21,7 +21,7 @@ def test_fast_exp_is_within_3e_7_of_exp_over_the_float32_range_and_saturates_out
     want = np.exp(x.astype(np.float32).astype(np.float64))
     assert np.max(np.abs(got - want) / want) < 3e-7  # MLX's own CPU exp: 3.9e-6
     edges = np.array(fast_exp(mx.array([-1e4, -np.inf, 1e4, np.inf, np.nan], dtype=mx.float32)))
-    assert 0 < edges[0] == edges[1] < 1e-37 and np.isfinite(edges[2]) and edges[2] == edges[3] > 1e38
+    assert edges[0] == edges[1] == 0 and np.isfinite(edges[2]) and edges[2] == edges[3] > 1e38
     assert np.isnan(edges[4])
 
 
@@ -36,11 +36,31 @@ def test_fast_swiglu_matches_mlx_lms_swiglu():
     assert abs(saturated[0]) < 1e-30 and saturated[1] == 200.0
 
 
+@pytest.mark.parametrize("B,Hq,Hkv,L,S", [(2, 4, 2, 1, 10), (3, 4, 2, 5, 12), (1, 4, 4, 7, 7)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "causal"])
+def test_fast_attention_matches_mlx_fast_attention(B, Hq, Hkv, L, S, mask_kind):
+    rng = np.random.default_rng(L * S)
+    q = mx.array(rng.normal(size=(B, Hq, L, 8)).astype(np.float32))
+    k = mx.array(rng.normal(size=(B, Hkv, S, 8)).astype(np.float32))
+    v = mx.array(rng.normal(size=(B, Hkv, S, 6)).astype(np.float32))
+    mask = {
+        "none": None,
+        "bool": mx.array(rng.random((B, 1, L, S)) < 0.6) | (mx.arange(S) == 0),  # every query sees key 0
+        "additive": mx.array(rng.normal(size=(B, 1, L, S)).astype(np.float32)),
+        "causal": "causal",
+    }[mask_kind]
+    if mask_kind == "causal" and L > S:
+        pytest.skip("a causal mask needs S >= L")
+    got = fast_attention(q, k, v, 0.35, mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
+    assert got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_swapped_model_computes_what_mlx_lm_computes_and_other_loads_are_untouched(tmp_path, family):
     path = tiny_checkpoint(family, tmp_path / family, vocab_size=48)
     model, other = mtplx.load(path), mtplx.load(path)
-    tokens = mx.array([[3, 17, 5, 29, 11, 8, 40]])
+    tokens = mx.array(np.random.default_rng(2).integers(1, 48, (4, 40)), dtype=mx.int32)  # a prompt pass
     logits, hidden = model.forward(tokens)
     head_logits, head_out = model.head(hidden, tokens)
     before = {type(m) for _, m in other.trunk.named_modules()}
@@ -56,17 +76,28 @@ def test_a_swapped_model_computes_what_mlx_lm_computes_and_other_loads_are_untou
     assert not mx.array_equal(new_logits, logits).item()  # the activations did change
 
 
+def test_decode_passes_keep_mlx_ops_and_prompt_passes_take_the_fast_forms():
+    from mtplx.cpu_activations import FAST_MIN_POSITIONS, conv_silu
+
+    step = mx.random.normal((64, FAST_MIN_POSITIONS - 1, 96))  # a wide batch, a verify's few positions
+    prompt = mx.random.normal((1, FAST_MIN_POSITIONS, 96))
+    assert mx.array_equal(conv_silu(step), nn.silu(step)).item()
+    assert not mx.array_equal(conv_silu(prompt), nn.silu(prompt)).item()
+    assert mx.allclose(conv_silu(prompt), nn.silu(prompt), rtol=1e-5, atol=1e-6).item()
+
+
 def test_gated_delta_layers_take_the_fast_conv_activation_and_gated_norm(tmp_path):
-    from mtplx.cpu_activations import fast_silu
+    from mtplx.cpu_activations import conv_silu
     from mtplx.families.qwen import _conv_activation
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "q", vocab_size=48))
     gdns = [layer.linear_attn for layer in model.text_model.layers if hasattr(layer, "linear_attn")]
     assert gdns and all(_conv_activation(g) is nn.silu for g in gdns)
     use_fast_activations(model)
-    assert all(_conv_activation(g) is fast_silu for g in gdns)
+    assert all(_conv_activation(g) is conv_silu for g in gdns)
     assert all(type(g.norm).__name__ == "FastQwen3NextRMSNormGated" for g in gdns)
     D = gdns[0].norm.weight.shape[0]
-    x, z = mx.random.normal((2, 3, D)), mx.random.normal((2, 3, D))
-    want = mx.fast.rms_norm(x, gdns[0].norm.weight, gdns[0].norm.eps) * (z * mx.sigmoid(z))
-    assert mx.allclose(gdns[0].norm(x, z), want, rtol=1e-5, atol=1e-6).item()
+    for T in (3, 20):  # a decode pass, a prompt pass
+        x, z = mx.random.normal((2, T, D)), mx.random.normal((2, T, D))
+        want = mx.fast.rms_norm(x, gdns[0].norm.weight, gdns[0].norm.eps) * (z * mx.sigmoid(z))
+        assert mx.allclose(gdns[0].norm(x, z), want, rtol=1e-5, atol=1e-6).item()
