@@ -85,5 +85,44 @@ def _row(model, cache, head_cache, last_logits, last_hidden, b: int, n: int) -> 
     return Prefilled(trunk, head, last_logits[b : b + 1], last_hidden[b : b + 1], n)
 
 
+# What one more prefill call costs, in padded prompt positions (a row x a
+# position). Prefill time here is about 10 ms per call plus 0.3-0.4 ms per
+# padded position (built-in model, batch 1-16, 16-128-token prompts).
+PREFILL_CALL_POSITIONS = 32
+
+
+def prefill_by_length(model, prompts: List[List[int]], chunk: int, with_head: bool,
+                      call_positions: int = PREFILL_CALL_POSITIONS) -> List[Prefilled]:
+    """`prefill_batch` over groups of similar lengths, results in input
+    order. A batch is padded to its longest prompt, and prompts of 30 and
+    128 tokens padded together compute 98 positions for nothing; a group
+    per length range costs a call each instead (`length_groups`)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: List[Optional[Prefilled]] = [None] * len(prompts)
+    for a, b in length_groups([len(prompts[i]) for i in order], call_positions):
+        group = order[a:b]
+        for i, pre in zip(group, prefill_batch(model, [prompts[i] for i in group], chunk, with_head)):
+            out[i] = pre
+    return out
+
+
+def length_groups(lengths: List[int], call_positions: int) -> List[tuple]:
+    """Ascending `lengths` cut into runs [a, b) that minimise the sum over
+    runs of call_positions + rows x longest (dynamic programming)."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of lengths[:j]
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + call_positions + (j - i) * lengths[j - 1]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs, j = [], n
+    while j > 0:
+        runs.append((cut[j], j))
+        j = cut[j]
+    return runs[::-1]
+
+
 def prefill(model, ids: List[int], chunk: int, with_head: bool) -> Prefilled:
     return prefill_batch(model, [ids], chunk, with_head)[0]

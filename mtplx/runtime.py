@@ -33,7 +33,7 @@ from .cpu_activations import use_fast_activations
 from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
-from .prefill import Prefilled, prefill_batch
+from .prefill import Prefilled, prefill_by_length
 from .sampling import (
     SamplingParams,
     batch_sampling,
@@ -249,7 +249,7 @@ class MTPLXRuntime:
         first token of every sample of every request in one vectorised step."""
         self._disturbed = True
         t0 = time.perf_counter()
-        pres = prefill_batch(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0)
+        pres = prefill_by_length(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0)
         self.stats["prefill_seconds"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in batch)
         reqs = [req for req, _ in batch]

@@ -70,3 +70,40 @@ def test_half_precision_prompts_prefill_bit_for_bit_as_mlx_lm(tmp_path):
     ref = model.trunk(tokens, cache=model.make_cache())
     assert ours.dtype == mx.bfloat16
     assert mx.array_equal(ours, ref).item()
+
+
+def test_length_groups_are_the_cheapest_cuts_of_the_sorted_lengths():
+    import itertools
+
+    from mtplx.prefill import length_groups
+
+    def cost(lengths, runs, call):
+        return sum(call + (b - a) * lengths[b - 1] for a, b in runs)
+
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        lengths = sorted(rng.integers(1, 200, rng.integers(1, 8)).tolist())
+        call = int(rng.integers(0, 100))
+        runs = length_groups(lengths, call)
+        n = len(lengths)
+        assert runs[0][0] == 0 and runs[-1][1] == n and all(r[1] == s[0] for r, s in zip(runs, runs[1:]))
+        every = [[(0, n)]] + [
+            list(zip((0,) + cuts, cuts + (n,))) for k in range(1, n) for cuts in itertools.combinations(range(1, n), k)
+        ]
+        assert cost(lengths, runs, call) == min(cost(lengths, r, call) for r in every)
+    assert length_groups([10, 11, 12, 120, 128], 32) == [(0, 3), (3, 5)]
+    assert length_groups([50] * 16, 32) == [(0, 16)]
+
+
+def test_prefill_by_length_gives_each_prompt_what_it_gets_alone_in_input_order(tmp_path):
+    from mtplx.prefill import prefill_batch, prefill_by_length
+
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "q", vocab_size=48))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 48, n).tolist() for n in (40, 3, 37, 5, 41)]
+    got = prefill_by_length(model, prompts, chunk=512, with_head=True, call_positions=8)
+    for p, pre in zip(prompts, got):
+        alone = prefill_batch(model, [p], 512, True)[0]
+        assert pre.length == len(p)
+        assert mx.allclose(pre.last_logits, alone.last_logits, rtol=1e-4, atol=1e-5).item()
+        assert mx.allclose(pre.trunk_cache[-1].keys, alone.trunk_cache[-1].keys, rtol=1e-4, atol=1e-5).item()
