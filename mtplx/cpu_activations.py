@@ -63,7 +63,7 @@ def fast_exp(x: mx.array) -> mx.array:
 # Passes over this many positions per row (x [B, T, ...]) take the fast
 # forms: prompt chunks (the same bound as the chunk-wise gated-delta prefill,
 # families.qwen.CHUNKED_PREFILL_MIN), never a decode step or verify.
-FAST_MIN_POSITIONS = 16
+FAST_MIN_POSITIONS = 16  # above any verify: mtp_patch.MAX_DEPTH + 1 positions
 
 
 def _prompt_pass(x: mx.array) -> bool:

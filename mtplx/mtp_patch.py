@@ -17,13 +17,19 @@ import mlx.nn as nn
 
 Depth = Union[int, Literal["auto"]]
 
+# The deepest speculation: a verify spans depth + 1 positions per row, and
+# passes over 16 or more are prompt passes, which on the CPU take other
+# numerics (`mtplx.cpu_activations.FAST_MIN_POSITIONS`); a verify must run
+# a decode step's ops exactly.
+MAX_DEPTH = 14
+
 
 @dataclass(frozen=True)
 class MTPContract:
     """How the runtime speculates.
 
-    depth: draft tokens per cycle (0 = plain decoding), or "auto" to pick it
-        from a cost model calibrated on this machine.
+    depth: draft tokens per cycle (0 = plain decoding, at most MAX_DEPTH),
+        or "auto" to pick it from a cost model calibrated on this machine.
     acceptance: "residual" (highest acceptance) or "coupled" (output equals
         plain keyed sampling bit for bit, whatever the depth).
     prefill_chunk: prompt tokens per row per prefill forward.
@@ -46,8 +52,10 @@ class MTPContract:
     shrink_batch: bool = True
 
     def __post_init__(self):
-        if self.depth != "auto" and (not isinstance(self.depth, int) or self.depth < 0):
-            raise ValueError(f"depth must be a non-negative int or 'auto', got {self.depth!r}")
+        if self.depth != "auto" and (not isinstance(self.depth, int) or not 0 <= self.depth <= MAX_DEPTH):
+            raise ValueError(f"depth must be an int in 0..{MAX_DEPTH} or 'auto', got {self.depth!r}")
+        if not 0 <= self.max_depth_auto <= MAX_DEPTH:
+            raise ValueError(f"max_depth_auto must be in 0..{MAX_DEPTH}, got {self.max_depth_auto!r}")
         if self.acceptance not in ("residual", "coupled"):
             raise ValueError(f"acceptance must be 'residual' or 'coupled', got {self.acceptance!r}")
         if self.prefill_chunk < 1 or self.prefill_batch_tokens < 1:

@@ -27,8 +27,10 @@ class DepthType(click.ParamType):
             k = int(value)
         except ValueError:
             self.fail(f"{value!r} is not an integer or 'auto'", param, ctx)
-        if k < 0:
-            self.fail("depth must be >= 0", param, ctx)
+        from mtplx.mtp_patch import MAX_DEPTH
+
+        if not 0 <= k <= MAX_DEPTH:
+            self.fail(f"depth must be in 0..{MAX_DEPTH} (or 'auto')", param, ctx)
         return k
 
 

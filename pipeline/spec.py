@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
+from mtplx.mtp_patch import MAX_DEPTH
+
 from .errors import JobError
 
 SCORERS = ("exact", "contains", "regex")
@@ -201,7 +203,7 @@ def _list_of(item: Checker) -> Checker:
 def _depth(where, v):
     if v == "auto":
         return v
-    return _int(0, 16)(where + ' (or "auto")', v)
+    return _int(0, MAX_DEPTH)(where + ' (or "auto")', v)
 
 
 def _model_path(where, v):

@@ -101,3 +101,15 @@ def test_gated_delta_layers_take_the_fast_conv_activation_and_gated_norm(tmp_pat
         x, z = mx.random.normal((2, T, D)), mx.random.normal((2, T, D))
         want = mx.fast.rms_norm(x, gdns[0].norm.weight, gdns[0].norm.eps) * (z * mx.sigmoid(z))
         assert mx.allclose(gdns[0].norm(x, z), want, rtol=1e-5, atol=1e-6).item()
+
+
+def test_no_verify_spans_a_prompt_pass():
+    from mtplx import MTPContract
+    from mtplx.cpu_activations import FAST_MIN_POSITIONS
+    from mtplx.mtp_patch import MAX_DEPTH
+
+    assert MAX_DEPTH + 1 < FAST_MIN_POSITIONS
+    MTPContract(depth=MAX_DEPTH)
+    for bad in (dict(depth=MAX_DEPTH + 1), dict(depth="auto", max_depth_auto=MAX_DEPTH + 1)):
+        with pytest.raises(ValueError, match="depth"):
+            MTPContract(**bad)

@@ -49,6 +49,7 @@ def test_unknown_top_level_section_is_an_error():
         ("generation", "n", 0, "n"),
         ("generation", "max_tokens", True, "max_tokens"),
         ("model", "depth", "deep", "depth"),
+        ("model", "depth", 15, "depth"),  # past MAX_DEPTH: a verify would span a prompt pass's width
         ("model", "acceptance", "greedy", "acceptance"),
         ("evaluation", "scorer", "fuzzy", "scorer"),
         ("batch", "max_memory", "lots", "max_memory"),
