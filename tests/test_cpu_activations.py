@@ -25,6 +25,16 @@ def test_fast_exp_is_within_3e_7_of_exp_over_the_float32_range_and_saturates_out
     assert np.isnan(edges[4])
 
 
+def test_pow_exp_is_as_close_to_exp_as_mlxs_exp():
+    from mtplx.cpu_activations import pow_exp
+
+    x = np.linspace(-87, 88, 200_001).astype(np.float32)
+    want = np.exp(x.astype(np.float64))
+    for f, bound in ((pow_exp, 4e-6), (mx.exp, 4e-6)):
+        got = np.array(f(mx.array(x))).astype(np.float64)
+        assert np.max(np.abs(got - want) / want) < bound
+
+
 def test_fast_swiglu_matches_mlx_lms_swiglu():
     from mlx_lm.models.activations import swiglu
 
@@ -76,14 +86,16 @@ def test_a_swapped_model_computes_what_mlx_lm_computes_and_other_loads_are_untou
     assert not mx.array_equal(new_logits, logits).item()  # the activations did change
 
 
-def test_decode_passes_keep_mlx_ops_and_prompt_passes_take_the_fast_forms():
-    from mtplx.cpu_activations import FAST_MIN_POSITIONS, conv_silu
+def test_decode_passes_take_the_power_form_at_every_batch_size_and_prompt_passes_the_polynomial():
+    from mtplx.cpu_activations import FAST_MIN_POSITIONS, conv_silu, fast_silu, step_silu
 
     step = mx.random.normal((64, FAST_MIN_POSITIONS - 1, 96))  # a wide batch, a verify's few positions
     prompt = mx.random.normal((1, FAST_MIN_POSITIONS, 96))
-    assert mx.array_equal(conv_silu(step), nn.silu(step)).item()
-    assert not mx.array_equal(conv_silu(prompt), nn.silu(prompt)).item()
-    assert mx.allclose(conv_silu(prompt), nn.silu(prompt), rtol=1e-5, atol=1e-6).item()
+    assert mx.array_equal(conv_silu(step), step_silu(step)).item()
+    assert all(mx.array_equal(conv_silu(step[b : b + 1, :1]), conv_silu(step)[b : b + 1, :1]).item() for b in (0, 63))
+    assert mx.array_equal(conv_silu(prompt), fast_silu(prompt)).item()
+    for x in (step, prompt):
+        assert mx.allclose(conv_silu(x), nn.silu(x), rtol=1e-5, atol=1e-6).item()
 
 
 def test_gated_delta_layers_take_the_fast_conv_activation_and_gated_norm(tmp_path):
