@@ -9,7 +9,8 @@ model: about 60% of it, in the MLPs, attention, and Qwen's gated-delta conv
 and gated norm), and a fair share of a decode step at batch 16.
 
 Two replacements, because a compiled decode pass and an eager prompt pass
-favour different ones:
+favour different ones (both computed in float32, so half-precision models
+get exp as precisely as from MLX's own, which also works in float32):
 - prompt passes (at least `FAST_MIN_POSITIONS` positions per row):
   `fast_exp`, the textbook range reduction exp(x) = 2^n exp(r),
   |r| <= ln2 / 2, a degree-6 polynomial for exp(r) and 2^n built in the
@@ -74,14 +75,16 @@ def _prompt_pass(x: mx.array) -> bool:
 
 @mx.compile  # traced per shape: the exponent-bits view has no shapeless form
 def fast_swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """silu(gate) * x, as mlx-lm's `swiglu`, with `fast_exp`."""
-    return gate / (1.0 + fast_exp(-gate)) * x
+    """silu(gate) * x, as mlx-lm's `swiglu`, with `fast_exp` (in float32)."""
+    g = gate.astype(mx.float32)
+    return (g / (1.0 + fast_exp(-g)) * x.astype(mx.float32)).astype(x.dtype)
 
 
 @mx.compile
 def fast_silu(x: mx.array) -> mx.array:
-    """x * sigmoid(x) with `fast_exp`."""
-    return x / (1.0 + fast_exp(-x))
+    """x * sigmoid(x) with `fast_exp` (in float32)."""
+    x32 = x.astype(mx.float32)
+    return (x32 / (1.0 + fast_exp(-x32))).astype(x.dtype)
 
 
 def conv_silu(x: mx.array) -> mx.array:
@@ -103,17 +106,19 @@ def pow_exp(x: mx.array) -> mx.array:
 
 @partial(mx.compile, shapeless=True)
 def step_silu(x: mx.array) -> mx.array:
-    return x / (1.0 + pow_exp(-x))
+    x32 = x.astype(mx.float32)
+    return (x32 / (1.0 + pow_exp(-x32))).astype(x.dtype)
 
 
 @partial(mx.compile, shapeless=True)
 def step_sigmoid(x: mx.array) -> mx.array:
-    return 1.0 / (1.0 + pow_exp(-x))
+    return (1.0 / (1.0 + pow_exp(-x.astype(mx.float32)))).astype(x.dtype)
 
 
 @partial(mx.compile, shapeless=True)
 def step_swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    return gate / (1.0 + pow_exp(-gate)) * x
+    g = gate.astype(mx.float32)
+    return (g / (1.0 + pow_exp(-g)) * x.astype(mx.float32)).astype(x.dtype)
 
 
 @partial(mx.compile, shapeless=True)
@@ -175,8 +180,9 @@ def _per_group(mask: mx.array, Hkv: int, rep: int) -> mx.array:
 
 
 def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
-    # Qwen3NextAttention's own __call__, with fast_attention and a fast
-    # sigmoid gate on prompt passes.
+    # Qwen3NextAttention's own __call__, with the faster exps: fast_attention
+    # and the polynomial's sigmoid gate on prompt passes, pow_exp's gate on
+    # decode passes.
     if hasattr(cache, "bits"):  # a quantized KV cache: mlx-lm's own attention
         return type(self).__bases__[0].__call__(self, x, mask, cache)
     B, L, D = x.shape
@@ -204,11 +210,11 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
 
 @mx.compile
 def _fast_sigmoid(x: mx.array) -> mx.array:
-    return 1.0 / (1.0 + fast_exp(-x))
+    return (1.0 / (1.0 + fast_exp(-x.astype(mx.float32)))).astype(x.dtype)
 
 
 def _gated_norm_call(self, hidden_states: mx.array, gate=None) -> mx.array:
-    # Qwen3NextRMSNormGated's own __call__, with fast_precise_swiglu.
+    # Qwen3NextRMSNormGated's own __call__, with the faster exps.
     x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
     if gate is not None:
         return (fast_precise_swiglu if _prompt_pass(gate) else step_precise_swiglu)(hidden_states, gate, x)
@@ -216,7 +222,7 @@ def _gated_norm_call(self, hidden_states: mx.array, gate=None) -> mx.array:
 
 
 def _swiglu_mlp_call(self, x: mx.array) -> mx.array:
-    # The same as each of _SWIGLU_MLPS' own __call__, with fast_swiglu.
+    # The same as each of _swiglu_mlps' own __call__, with the faster exps.
     act = fast_swiglu if _prompt_pass(x) else step_swiglu
     return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
@@ -246,16 +252,13 @@ _fast_classes: dict = {}
 
 
 def use_fast_activations(model) -> int:
-    """Swap, in place and once, the exp-based activations of an MTPModel's
-    trunk and head (module docstring) for their `fast_exp` forms, where MLX
-    runs on the CPU; records and returns the count of modules swapped in
+    """Swap, in place and once, the exp-heavy ops of an MTPModel's trunk and
+    head (module docstring) for their faster-exp forms, where MLX runs on
+    the CPU; records and returns the count of modules swapped in
     `model.info["fast_activations"]`."""
-    if mx.default_device() != mx.cpu:
-        return 0
-    if "fast_activations" not in model.info:
-        parts = [m for m in (model.trunk, model.head) if m is not None]
-        model.info["fast_activations"] = sum(_swap(m) for m in parts)
-    return model.info["fast_activations"]
+    from .gemm_layout import once_on_cpu
+
+    return once_on_cpu(model, "fast_activations", _swap)
 
 
 def _swap(module) -> int:

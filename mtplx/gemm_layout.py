@@ -47,12 +47,19 @@ def lay_out_for_cpu_gemm(model) -> int:
     """Re-lay, in place and once, every float32 `nn.Linear` weight of an
     MTPModel's trunk and head as (contiguous [in, out]).T, where MLX runs on
     the CPU; records and returns the count in `model.info["gemm_layout"]`."""
+    return once_on_cpu(model, "gemm_layout", _relay_linears)
+
+
+def once_on_cpu(model, key: str, adapt) -> int:
+    """Run `adapt(module) -> count` over an MTPModel's trunk and head, once
+    per model and only where MLX runs on the CPU; the total is kept in
+    `model.info[key]` and returned (0 elsewhere)."""
     if mx.default_device() != mx.cpu:
         return 0
-    if "gemm_layout" not in model.info:
+    if key not in model.info:
         parts = [m for m in (model.trunk, model.head) if m is not None]
-        model.info["gemm_layout"] = sum(_relay_linears(m) for m in parts)
-    return model.info["gemm_layout"]
+        model.info[key] = sum(adapt(m) for m in parts)
+    return model.info[key]
 
 
 class RelaidLinear(nn.Linear):

@@ -125,3 +125,17 @@ def test_no_verify_spans_a_prompt_pass():
     for bad in (dict(depth=MAX_DEPTH + 1), dict(depth="auto", max_depth_auto=MAX_DEPTH + 1)):
         with pytest.raises(ValueError, match="depth"):
             MTPContract(**bad)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_half_precision_activations_round_what_float32_computes(dtype):
+    from mtplx.cpu_activations import fast_silu, step_silu, step_swiglu
+
+    x = mx.random.normal((4, 20, 64)) * 6
+    h = x.astype(dtype)
+    want = nn.silu(h.astype(mx.float32))
+    for f in (fast_silu, step_silu, lambda v: step_swiglu(v, mx.ones_like(v)), lambda v: fast_swiglu(v, mx.ones_like(v))):
+        got = f(h)
+        assert got.dtype == dtype
+        assert mx.allclose(got.astype(mx.float32), want, rtol=1e-2, atol=1e-2).item()
+        assert (mx.abs(got.astype(mx.float32) - want) <= mx.abs(want.astype(dtype).astype(mx.float32) - want) * 1.01 + 1e-6).mean().item() > 0.99
