@@ -26,11 +26,10 @@ get exp as precisely as from MLX's own, which also works in float32):
 
 `use_fast_activations` swaps, in place and once, the mlx-lm classes whose
 exp-heavy op it replaces (`_swaps`) for subclasses that run the same ops
-with these exps: dense MLPs' SwiGLU, Qwen's attention (the softmax of
-prompt passes, and the output gate) and gated RMSNorm, and the gated-delta
-conv's silu (read by MTPLX's own verify and prefill forwards). Decode
-attention keeps `mx.fast.scaled_dot_product_attention`, and
-mixture-of-experts MLPs keep mlx-lm's. Only on the CPU: GPU backends
+with these exps: dense MLPs' SwiGLU, Qwen's attention (its softmax, as
+`fast_attention`, and the output gate) and gated RMSNorm, and the
+gated-delta conv's silu (read by MTPLX's own verify and prefill forwards).
+Mixture-of-experts MLPs keep mlx-lm's. Only on the CPU: GPU backends
 vectorise exp. Like `gemm_layout`, `mtplx.load` leaves the model as mlx-lm
 computes it; the runtime and the cost measurements that plan for it swap
 the model they decode with.
@@ -134,23 +133,29 @@ def fast_precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
     return (gate / (1.0 + fast_exp(-gate)) * x.astype(mx.float32)).astype(h.dtype)
 
 
-@mx.compile
-def _softmax(scores: mx.array) -> mx.array:
-    """softmax over the last axis in float32 with `fast_exp`."""
-    scores = scores.astype(mx.float32)
-    e = fast_exp(scores - scores.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+def _softmax_with(exp):
+    def softmax(scores: mx.array) -> mx.array:
+        scores = scores.astype(mx.float32)
+        e = exp(scores - scores.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    def masked(scores: mx.array, allowed: mx.array) -> mx.array:
+        return softmax(mx.where(allowed, scores.astype(mx.float32), -mx.inf))
+
+    return softmax, masked
 
 
-@mx.compile
-def _masked_softmax(scores: mx.array, allowed: mx.array) -> mx.array:
-    """`_softmax` over the entries where `allowed` (bool, broadcastable)."""
-    return _softmax(mx.where(allowed, scores.astype(mx.float32), -mx.inf))
+# softmax over the last axis in float32, and over the entries where `allowed`
+# (bool, broadcastable): with fast_exp for prompt passes, pow_exp for decode.
+_softmax, _masked_softmax = (mx.compile(f) for f in _softmax_with(fast_exp))
+# (Traced per shape: a shapeless trace of these reductions crashed MLX 0.32.)
+_step_softmax, _step_masked_softmax = (mx.compile(f) for f in _softmax_with(lambda x: pow_exp(x)))
 
 
-def fast_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+def fast_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, step: bool = False) -> mx.array:
     """What `mx.fast.scaled_dot_product_attention` computes on the CPU (its
-    fallback: scores, a float32 softmax, values), with `fast_exp`.
+    fallback: scores, a float32 softmax, values), with `fast_exp`, or with
+    `pow_exp` for a decode pass (`step`).
     q [B, Hq, L, D], k and v [B, Hkv, S, D] (Hq a multiple of Hkv); mask
     None, "causal", bool (True: attend) or additive, broadcastable to
     [B, Hq, L, S] -> [B, Hq, L, Dv]."""
@@ -168,7 +173,8 @@ def fast_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) ->
             allowed = mask
         else:
             scores = scores + mask
-    p = (_softmax(scores) if allowed is None else _masked_softmax(scores, allowed)).astype(v.dtype)  # [B, Hkv, rep, L, S]
+    softmax, masked = (_step_softmax, _step_masked_softmax) if step else (_softmax, _masked_softmax)
+    p = (softmax(scores) if allowed is None else masked(scores, allowed)).astype(v.dtype)  # [B, Hkv, rep, L, S]
     return (p @ v[:, :, None]).reshape(B, Hq, L, -1)
 
 
@@ -181,8 +187,8 @@ def _per_group(mask: mx.array, Hkv: int, rep: int) -> mx.array:
 
 def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     # Qwen3NextAttention's own __call__, with the faster exps: fast_attention
-    # and the polynomial's sigmoid gate on prompt passes, pow_exp's gate on
-    # decode passes.
+    # and the output gate over the polynomial on prompt passes, over pow_exp
+    # on decode passes.
     if hasattr(cache, "bits"):  # a quantized KV cache: mlx-lm's own attention
         return type(self).__bases__[0].__call__(self, x, mask, cache)
     B, L, D = x.shape
@@ -202,7 +208,7 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
         output = fast_attention(queries, keys, values, self.scale, mask)
         gate = _fast_sigmoid(gate)
     else:
-        output = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        output = fast_attention(queries, keys, values, self.scale, mask, step=True)
         gate = step_sigmoid(gate)
     output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
     return self.o_proj(output * gate)

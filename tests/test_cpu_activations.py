@@ -48,7 +48,8 @@ def test_fast_swiglu_matches_mlx_lms_swiglu():
 
 @pytest.mark.parametrize("B,Hq,Hkv,L,S", [(2, 4, 2, 1, 10), (3, 4, 2, 5, 12), (1, 4, 4, 7, 7)])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "causal"])
-def test_fast_attention_matches_mlx_fast_attention(B, Hq, Hkv, L, S, mask_kind):
+@pytest.mark.parametrize("step", [False, True])
+def test_fast_attention_matches_mlx_fast_attention(B, Hq, Hkv, L, S, mask_kind, step):
     rng = np.random.default_rng(L * S)
     q = mx.array(rng.normal(size=(B, Hq, L, 8)).astype(np.float32))
     k = mx.array(rng.normal(size=(B, Hkv, S, 8)).astype(np.float32))
@@ -61,7 +62,7 @@ def test_fast_attention_matches_mlx_fast_attention(B, Hq, Hkv, L, S, mask_kind):
     }[mask_kind]
     if mask_kind == "causal" and L > S:
         pytest.skip("a causal mask needs S >= L")
-    got = fast_attention(q, k, v, 0.35, mask)
+    got = fast_attention(q, k, v, 0.35, mask, step=step)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
     assert got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
 
