@@ -37,8 +37,6 @@ the model they decode with.
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
 
 _LOG2E = 1.4426950408889634
@@ -72,25 +70,6 @@ def _prompt_pass(x: mx.array) -> bool:
     return x.ndim >= 2 and x.shape[1] >= FAST_MIN_POSITIONS
 
 
-@mx.compile  # traced per shape: the exponent-bits view has no shapeless form
-def fast_swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """silu(gate) * x, as mlx-lm's `swiglu`, with `fast_exp` (in float32)."""
-    g = gate.astype(mx.float32)
-    return (g / (1.0 + fast_exp(-g)) * x.astype(mx.float32)).astype(x.dtype)
-
-
-@mx.compile
-def fast_silu(x: mx.array) -> mx.array:
-    """x * sigmoid(x) with `fast_exp` (in float32)."""
-    x32 = x.astype(mx.float32)
-    return (x32 / (1.0 + fast_exp(-x32))).astype(x.dtype)
-
-
-def conv_silu(x: mx.array) -> mx.array:
-    """The gated-delta layers' conv activation, x [B, S, C]."""
-    return fast_silu(x) if _prompt_pass(x) else step_silu(x)
-
-
 # -- decode passes: exp as a power of two ---------------------------------------
 # MLX's CPU `power` runs faster than its `exp` (4.8 against 12.3 ms per
 # million floats here) and fuses into a compiled graph's kernels as exp
@@ -103,53 +82,51 @@ def pow_exp(x: mx.array) -> mx.array:
     return mx.power(2.0, x * _LOG2E)
 
 
-@partial(mx.compile, shapeless=True)
-def step_silu(x: mx.array) -> mx.array:
-    x32 = x.astype(mx.float32)
-    return (x32 / (1.0 + pow_exp(-x32))).astype(x.dtype)
+def _forms(exp, **compile_args) -> tuple:
+    """sigmoid, silu, swiglu (mlx-lm's: silu(gate) * x), precise_swiglu
+    (mlx-lm's: (h, gate, x) -> silu(gate) * x in h's dtype) and the float32
+    softmax over the last axis, unmasked and where `allowed` (bool,
+    broadcastable), each with `exp`, in float32, rounded to the input's dtype."""
+    f32 = mx.float32
 
+    def sigmoid(x):
+        return (1.0 / (1.0 + exp(-x.astype(f32)))).astype(x.dtype)
 
-@partial(mx.compile, shapeless=True)
-def step_sigmoid(x: mx.array) -> mx.array:
-    return (1.0 / (1.0 + pow_exp(-x.astype(mx.float32)))).astype(x.dtype)
+    def silu(x):
+        x32 = x.astype(f32)
+        return (x32 / (1.0 + exp(-x32))).astype(x.dtype)
 
+    def precise_swiglu(h, gate, x):
+        g = gate.astype(f32)
+        return (g / (1.0 + exp(-g)) * x.astype(f32)).astype(h.dtype)
 
-@partial(mx.compile, shapeless=True)
-def step_swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    g = gate.astype(mx.float32)
-    return (g / (1.0 + pow_exp(-g)) * x.astype(mx.float32)).astype(x.dtype)
+    def swiglu(gate, x):
+        return precise_swiglu(x, gate, x)
 
-
-@partial(mx.compile, shapeless=True)
-def step_precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
-    gate = gate.astype(mx.float32)
-    return (gate / (1.0 + pow_exp(-gate)) * x.astype(mx.float32)).astype(h.dtype)
-
-
-@mx.compile
-def fast_precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
-    """mlx-lm's `precise_swiglu` (silu(gate) * x in float32, in h's dtype) with `fast_exp`."""
-    gate = gate.astype(mx.float32)
-    return (gate / (1.0 + fast_exp(-gate)) * x.astype(mx.float32)).astype(h.dtype)
-
-
-def _softmax_with(exp):
-    def softmax(scores: mx.array) -> mx.array:
-        scores = scores.astype(mx.float32)
+    def softmax(scores):
+        scores = scores.astype(f32)
         e = exp(scores - scores.max(axis=-1, keepdims=True))
         return e / e.sum(axis=-1, keepdims=True)
 
-    def masked(scores: mx.array, allowed: mx.array) -> mx.array:
-        return softmax(mx.where(allowed, scores.astype(mx.float32), -mx.inf))
+    def masked_softmax(scores, allowed):
+        return softmax(mx.where(allowed, scores.astype(f32), -mx.inf))
 
-    return softmax, masked
+    elementwise = [mx.compile(f, **compile_args) for f in (sigmoid, silu, swiglu, precise_swiglu)]
+    # (The softmaxes are traced per shape: a shapeless trace of their
+    # reductions crashed MLX 0.32.)
+    return (*elementwise, mx.compile(softmax), mx.compile(masked_softmax))
 
 
-# softmax over the last axis in float32, and over the entries where `allowed`
-# (bool, broadcastable): with fast_exp for prompt passes, pow_exp for decode.
-_softmax, _masked_softmax = (mx.compile(f) for f in _softmax_with(fast_exp))
-# (Traced per shape: a shapeless trace of these reductions crashed MLX 0.32.)
-_step_softmax, _step_masked_softmax = (mx.compile(f) for f in _softmax_with(lambda x: pow_exp(x)))
+# Prompt passes: the polynomial, traced per shape (its exponent-bits view has no shapeless form).
+_fast_sigmoid, fast_silu, fast_swiglu, fast_precise_swiglu, _softmax, _masked_softmax = _forms(fast_exp)
+# Decode passes: the power.
+step_sigmoid, step_silu, step_swiglu, step_precise_swiglu, _step_softmax, _step_masked_softmax = _forms(
+    pow_exp, shapeless=True)
+
+
+def conv_silu(x: mx.array) -> mx.array:
+    """The gated-delta layers' conv activation, x [B, S, C]."""
+    return fast_silu(x) if _prompt_pass(x) else step_silu(x)
 
 
 def fast_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, step: bool = False) -> mx.array:
@@ -212,11 +189,6 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
         gate = step_sigmoid(gate)
     output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
     return self.o_proj(output * gate)
-
-
-@mx.compile
-def _fast_sigmoid(x: mx.array) -> mx.array:
-    return (1.0 / (1.0 + fast_exp(-x.astype(mx.float32)))).astype(x.dtype)
 
 
 def _gated_norm_call(self, hidden_states: mx.array, gate=None) -> mx.array:
