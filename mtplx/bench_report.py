@@ -43,7 +43,8 @@ def format_table(records: Sequence[dict]) -> str:
         "ideal: 1 + accepted drafts per cycle; pred: ideal x step / (verify + k head), from the bare costs; "
         "meas / meas dec: tok/s over MTPLX depth 0, wall / decode only; dec/pred: meas dec / pred; "
         "rows/cyc: rows decoded per cycle (B while the batch is full); "
-        "auto/best: auto's run over the best fixed depth's (named) of its round, median.",
+        "auto/best: auto's run over the run of its round at the fixed depth best on the other rounds "
+        "(named: the best on all rounds), median.",
     ]
     return "\n".join(lines)
 

@@ -304,6 +304,38 @@ def test_cycle_costs_sample_a_bare_cost_sampler_between_their_rounds_and_take_it
     assert costs.seconds[2] / costs.seconds[1] == pytest.approx(2.0 / 1.5)  # the sampler's shape
 
 
+def test_calibration_takes_verify_costs_on_their_least_squares_line_over_depth(tmp_path, monkeypatch):
+    import mtplx.costs as costs_module
+    from mtplx.costs import measure_cycle_costs, verify_on_a_line
+
+    exact = BareCosts(batch_size=1, context=8, step_s=3.0, verify_s={1: 3.6, 2: 4.0, 3: 4.4}, head_s=0.2)
+    assert verify_on_a_line(exact).verify_s == pytest.approx(exact.verify_s)
+    # k=3 timed barely over k=2 (noise): the line gives each the pooled slope.
+    noisy = BareCosts(batch_size=1, context=8, step_s=3.0, verify_s={1: 4.65, 2: 5.42, 3: 5.59}, head_s=0.2)
+    line = verify_on_a_line(noisy)
+    assert line.verify_s[3] - line.verify_s[2] == pytest.approx(line.verify_s[2] - line.verify_s[1])
+    assert line.verify_s[3] - line.verify_s[2] == pytest.approx(0.47)
+    assert sum(line.verify_s.values()) == pytest.approx(sum(noisy.verify_s.values()))
+    assert (line.step_s, line.head_s) == (noisy.step_s, noisy.head_s)
+    # Deeper never cheaper; two depths are a line already.
+    falling = BareCosts(batch_size=1, context=8, step_s=3.0, verify_s={1: 5.0, 2: 4.0, 3: 4.5}, head_s=0.2)
+    assert verify_on_a_line(falling).verify_s == pytest.approx({1: 4.5, 2: 4.5, 3: 4.5})
+    two = BareCosts(batch_size=1, context=8, step_s=3.0, verify_s={1: 5.0, 2: 4.0}, head_s=0.2)
+    assert verify_on_a_line(two).verify_s == two.verify_s
+
+    class FixedSampler:  # stands in for costs.BareCostSampler
+        def sample(self, rounds):
+            pass
+
+        def costs(self):
+            return noisy
+
+    monkeypatch.setattr(costs_module, "BareCostSampler", FixedSampler)
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    costs = measure_cycle_costs(model, 1, depths=range(4), max_tokens=6, rounds=1, bare=FixedSampler())
+    assert costs.seconds[3] / costs.seconds[2] == pytest.approx(line.cycle_s(3) / line.cycle_s(2))
+
+
 def test_cycle_costs_are_depth0s_fastest_round_times_each_depths_median_same_round_ratio():
     from mtplx.costs import _anchored_to
 

@@ -102,17 +102,37 @@ def test_measured_speedup_is_the_median_of_each_rounds_depth_over_depth_zero():
     assert recs[1]["measured_decode_speedup"] == pytest.approx(2.5)  # median of 1.5, 3.0, 2.5
 
 
-def test_auto_vs_best_pairs_auto_with_the_best_fixed_depths_run_of_each_round():
+def test_auto_vs_best_pairs_each_round_with_the_depth_best_on_the_other_rounds():
+    base = [100.0, 100.0, 100.0, 100.0]  # mlx-lm's run of each round
+    runs = {
+        0: [140.0, 130.0, 150.0, 140.0],
+        1: [200.0, 150.0, 150.0, 160.0],  # best on the even rounds (medians 1.75 against 1.45, 1.5)
+        2: [150.0, 170.0, 150.0, 170.0],  # best on the odd rounds (1.7 against 1.55)
+    }
     recs = [
-        {"depth": 0, "ratio_vs_mlx_lm": 1.4, "run_tokens_per_s": [100.0, 50.0, 80.0]},
-        {"depth": 1, "ratio_vs_mlx_lm": 1.6, "run_tokens_per_s": [120.0, 60.0, 100.0]},
-        {"depth": 2, "ratio_vs_mlx_lm": 1.5, "run_tokens_per_s": [200.0, 10.0, 10.0]},
-        {"depth": "auto", "ratio_vs_mlx_lm": 1.3, "run_tokens_per_s": [108.0, 66.0, 95.0]},
+        {"depth": d, "run_tokens_per_s": r, "paired_ratios": [x / b for x, b in zip(r, base)],
+         "ratio_vs_mlx_lm": statistics.median(x / b for x, b in zip(r, base))}
+        for d, r in runs.items()
+    ]
+    recs.append({"depth": "auto", "ratio_vs_mlx_lm": 1.6, "run_tokens_per_s": [180.0, 153.0, 150.0, 136.0]})
+    add_auto_vs_best(recs)
+    auto = recs[3]
+    assert auto["best_fixed_depth"] == 2  # medians 1.4, 1.55, 1.6 over every round
+    # Odd rounds pair with depth 1 (best on the even ones), even rounds with depth 2.
+    assert auto["auto_vs_best"] == pytest.approx(statistics.median([180 / 150, 153 / 150, 150 / 150, 136 / 160]))  # 1.01
+    # On the same rounds: every round against depth 2.
+    assert auto["auto_vs_best_same_rounds"] == pytest.approx(statistics.median([1.2, 0.9, 1.0, 0.8]))
+    assert "auto_vs_best" not in recs[1]
+
+
+def test_auto_vs_best_of_a_single_round_pairs_it_with_the_best_depth():
+    recs = [
+        {"depth": 0, "ratio_vs_mlx_lm": 1.4, "run_tokens_per_s": [100.0], "paired_ratios": [1.4]},
+        {"depth": 1, "ratio_vs_mlx_lm": 1.6, "run_tokens_per_s": [120.0], "paired_ratios": [1.6]},
+        {"depth": "auto", "ratio_vs_mlx_lm": 1.3, "run_tokens_per_s": [108.0]},
     ]
     add_auto_vs_best(recs)
-    assert recs[3]["best_fixed_depth"] == 1  # by ratio_vs_mlx_lm, not by any one round
-    assert recs[3]["auto_vs_best"] == pytest.approx(0.95)  # median of 0.9, 1.1, 0.95
-    assert "auto_vs_best" not in recs[1]
+    assert recs[2]["best_fixed_depth"] == 1 and recs[2]["auto_vs_best"] == pytest.approx(0.9)
 
 
 def test_take_prompts_takes_n_from_a_start_cycling_a_small_pool():
