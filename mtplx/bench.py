@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import statistics
@@ -381,6 +382,7 @@ def baseline_record(B: int, t: float, runs: List[Run], plan: BenchPlan) -> dict:
         "temperature": t,
         **_run_fields(runs, plan, B),
         "ratio_vs_mlx_lm": 1.0,
+        "ratio_ci": None,
         "ratio_spread": [1.0, 1.0],
         "paired_ratios": [],
         "decode_ratio_vs_mlx_lm": 1.0,
@@ -421,7 +423,9 @@ def add_measured_speedups(records: List[dict]) -> None:
         return
     for r in records:
         for field_, runs in (("measured_speedup", "run_tokens_per_s"), ("measured_decode_speedup", "run_decode_tokens_per_s")):
-            r[field_] = _median_or_none(paired_ratios(list(zip(plain[runs], r[runs]))))
+            ratios = paired_ratios(list(zip(plain[runs], r[runs])))
+            r[field_] = _median_or_none(ratios)
+            r[field_ + "_ci"] = median_interval(ratios)
 
 
 def add_auto_vs_best(records: List[dict]) -> None:
@@ -446,7 +450,9 @@ def add_auto_vs_best(records: List[dict]) -> None:
     auto["auto_vs_best_same_rounds"] = _median_or_none(
         paired_ratios(list(zip(best["run_tokens_per_s"], auto["run_tokens_per_s"])))
     )
-    auto["auto_vs_best"] = _median_or_none(_cross_fitted_auto_ratios(auto, fixed))
+    ratios = _cross_fitted_auto_ratios(auto, fixed)
+    auto["auto_vs_best"] = _median_or_none(ratios)
+    auto["auto_vs_best_ci"] = median_interval(ratios)
 
 
 def _cross_fitted_auto_ratios(auto: dict, fixed: List[dict]) -> List[float]:
@@ -484,14 +490,40 @@ def paired_ratios(pairs: Sequence[Tuple[float, float]]) -> List[float]:
 
 
 def ratio_summary(ratios: Sequence[float]) -> dict:
-    """Median of the paired ratios and their spread (min, max)."""
+    """Median of the paired ratios, its confidence interval and their spread (min, max)."""
     if not ratios:
-        return {"ratio_vs_mlx_lm": None, "ratio_spread": None, "paired_ratios": []}
+        return {"ratio_vs_mlx_lm": None, "ratio_ci": None, "ratio_spread": None, "paired_ratios": []}
     return {
         "ratio_vs_mlx_lm": statistics.median(ratios),
+        "ratio_ci": median_interval(ratios),
         "ratio_spread": [min(ratios), max(ratios)],
         "paired_ratios": list(ratios),
     }
+
+
+# Confidence of the intervals given beside each median of paired ratios.
+CI_LEVEL = 0.9
+
+
+def median_interval(xs: Sequence[float], level: float = CI_LEVEL) -> Optional[List[float]]:
+    """A distribution-free confidence interval for the median of the
+    distribution xs were drawn from: the order statistics [x_(j), x_(n+1-j)]
+    with the largest j whose coverage, 1 - 2 P(Binomial(n, 1/2) < j), is at
+    least `level`. None when even [min, max] falls short (fewer than 5
+    values at 90%). Rounds are independent draws of a run's noise, and the
+    interval assumes nothing about its shape: on this VM one slow spell
+    makes a round an outlier."""
+    n = len(xs)
+    below, j = 0, 0  # below: P(Binomial(n, 1/2) < j + 1) x 2^n
+    while j < n // 2:
+        below += math.comb(n, j)
+        if 1 - 2 * below / 2**n < level:
+            break
+        j += 1
+    if j == 0:
+        return None
+    s = sorted(xs)
+    return [s[j - 1], s[n - j]]
 
 
 def acceptance_summary(completions, depth: int) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+from .bench_requirements import requirement_lines
+
 COLUMNS = (
     # (title, width, how to show a record)
     ("B", 4, lambda r: str(r["batch_size"])),
@@ -35,6 +37,8 @@ def format_table(records: Sequence[dict]) -> str:
     for r in rows:
         lines.append("  ".join(show(r).rjust(w) for _, w, show in COLUMNS))
     lines += [""] + _cost_lines(rows)
+    checks = requirement_lines(rows)
+    lines += [""] + checks if checks else []
     lines += [
         "",
         "tok/s: generated tokens / wall seconds of the generate call, prefill included (median of runs).",

@@ -14,6 +14,7 @@ from mtplx.bench import (
     acceptance_summary,
     add_auto_vs_best,
     add_measured_speedups,
+    median_interval,
     paired_ratios,
     predicted_from_ideal,
     ratio_summary,
@@ -23,6 +24,7 @@ from mtplx.bench import (
     take_prompts,
 )
 from mtplx.bench_report import format_table, write_plot
+from mtplx.bench_requirements import Cell, check_requirements, requirement_lines
 from mtplx.completion import Completion
 from mtplx.costs import BareCosts
 
@@ -34,10 +36,11 @@ def test_paired_ratio_divides_each_engine_run_by_its_adjacent_baseline():
     assert paired_ratios(pairs) == pytest.approx([1.2, 1.1, 0.8])
 
 
-def test_ratio_summary_is_the_median_with_min_and_max_as_spread():
+def test_ratio_summary_is_the_median_with_its_interval_and_min_and_max_as_spread():
     s = ratio_summary([1.3, 0.9, 1.1, 1.0, 2.0])  # mean 1.26, median 1.1
     assert s["ratio_vs_mlx_lm"] == pytest.approx(1.1)
     assert s["ratio_spread"] == pytest.approx([0.9, 2.0])
+    assert s["ratio_ci"] == pytest.approx([0.9, 2.0])  # five rounds: [min, max] is the 90% interval
     assert s["paired_ratios"] == [1.3, 0.9, 1.1, 1.0, 2.0]
 
 
@@ -133,6 +136,55 @@ def test_auto_vs_best_of_a_single_round_pairs_it_with_the_best_depth():
     ]
     add_auto_vs_best(recs)
     assert recs[2]["best_fixed_depth"] == 1 and recs[2]["auto_vs_best"] == pytest.approx(0.9)
+
+
+def test_median_interval_is_the_order_statistics_whose_binomial_coverage_reaches_the_level():
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) == [1.0, 5.0]  # n=5: [min, max] covers 1 - 2/32
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None  # [min, max] covers 0.875 < 0.9
+    assert median_interval([float(x) for x in range(1, 11)]) == [2.0, 9.0]  # 0.979; [3, 8] would be 0.891
+    # Coverage over many draws of 10 and of 40 from a skewed distribution whose median is 1.
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for n, coverage in ((10, 0.9785), (40, 0.9193)):
+        hits = 0
+        for _ in range(3000):
+            lo, hi = median_interval(list(rng.lognormal(0.0, 0.5, n)))
+            hits += lo <= 1.0 <= hi
+        # 3000 draws: the binomial standard error is under 0.0055; 4 of them is a false alarm at 3e-5.
+        assert abs(hits / 3000 - coverage) < 0.022
+
+
+def test_a_requirement_missed_only_when_its_whole_interval_is_below_the_bar():
+    assert Cell("x", 0.96, [0.90, 0.99], 0.95).status == "met"
+    assert Cell("x", 0.93, [0.90, 0.97], 0.95).status == "within noise"
+    assert Cell("x", 0.93, None, 0.95).status == "within noise"  # too few rounds to tell
+    assert Cell("x", 0.93, [0.88, 0.94], 0.95).status == "missed"
+
+
+def test_requirements_check_depth0_decode_over_predicted_at_batch_1_and_4_and_auto():
+    def rec(B, depth, **kw):
+        return {"engine": "mtplx", "batch_size": B, "temperature": 0.0, "depth": depth, **kw}
+
+    records = [
+        {"engine": "mlx_lm", "batch_size": 4, "temperature": 0.0, "depth": None, "ratio_vs_mlx_lm": 1.0},
+        rec(4, 0, ratio_vs_mlx_lm=1.2, ratio_ci=[1.1, 1.3], predicted_speedup=1.0, measured_decode_speedup=1.0),
+        rec(4, 2, ratio_vs_mlx_lm=1.3, predicted_speedup=1.2, measured_decode_speedup=1.0,
+            measured_decode_speedup_ci=[0.9, 1.06]),
+        rec(16, 2, ratio_vs_mlx_lm=1.0, predicted_speedup=1.2, measured_decode_speedup=0.5,
+            measured_decode_speedup_ci=[0.4, 0.6]),  # batch 16: not required
+        rec(4, "auto", ratio_vs_mlx_lm=1.25, predicted_speedup=1.1, measured_decode_speedup=1.0,
+            auto_vs_best=0.96, auto_vs_best_ci=[0.9, 1.0], best_fixed_depth=2),
+    ]
+    depth0, decode, auto = check_requirements(records)
+    assert [(c.label, c.status) for c in depth0.cells] == [("B=4 T=0", "met")]
+    [cell] = decode.cells
+    assert cell.label == "B=4 T=0 depth 2" and cell.value == pytest.approx(1.0 / 1.2)
+    assert cell.ci == pytest.approx([0.75, 1.06 / 1.2]) and cell.status == "missed"
+    assert [(c.value, c.status) for c in auto.cells] == [(0.96, "met")]
+    table = "\n".join(requirement_lines(records))
+    assert "decode speed-up >= 0.9 of predicted at batch 1, 4: 0 of 1 met" in table
+    assert "B=4 T=0 depth 2: 0.833 [0.750, 0.883] (missed)" in table
 
 
 def test_take_prompts_takes_n_from_a_start_cycling_a_small_pool():
@@ -254,8 +306,8 @@ def test_bare_cost_sampler_pools_every_round_and_anchors_to_the_fastest_step(tin
 
 MTPLX_KEYS = {
     "engine", "batch_size", "depth", "depth_used", "temperature", "tokens_per_s", "ratio_vs_mlx_lm",
-    "ratio_spread", "acceptance_by_depth", "mean_accepted_length", "ideal_tokens_per_cycle",
-    "predicted_speedup", "measured_speedup", "bare_costs",
+    "ratio_spread", "ratio_ci", "acceptance_by_depth", "mean_accepted_length", "ideal_tokens_per_cycle",
+    "predicted_speedup", "measured_speedup", "measured_decode_speedup_ci", "bare_costs",
 }
 
 
@@ -337,6 +389,7 @@ def test_table_has_a_line_for_every_record_and_the_bare_costs(tiny_records):
             for line in lines
         ), (r, table)
     assert "bare costs" in table and "mlx-lm" in table
+    assert "requirements (median [90% confidence interval of it]):" in table and "depth 0 >= 0.95 of mlx-lm" in table
 
 
 def _plot_records():
