@@ -102,7 +102,7 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
         note = f"resuming: {state.rows_done} rows already in {out}" if state.rows_done else f"writing to {out}"
         log(f"{job.spec.name}: {note}")
     t0 = time.monotonic()
-    progress = Progress(max(todo, 0), opts.quiet)
+    progress = Progress(max(todo, 0), opts.quiet or todo <= 0)  # no bar over nothing to do (a finished job resumed)
     stopper = Stopper()
     writer = PartWriter(out, job.plan.schema, state.next_part, flush_rows=job.spec.output.flush_rows,
                         flush_seconds=job.spec.output.flush_seconds, stopper=stopper)

@@ -196,6 +196,15 @@ def test_rerunning_a_finished_job_adds_nothing(tmp_path, fake_model_dir):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == names
 
 
+def test_rerunning_a_finished_job_draws_no_progress_bar(tmp_path, fake_model_dir, capsys):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b"], prompt=["x", "y"])
+    spec = fake_spec(tmp_path, inp)
+    run_job(spec, RunOptions(quiet=False), engine_factory=fake_engine_factory(), log=lambda s: None)
+    assert "2/2" in capsys.readouterr().err  # the first run's bar
+    run_job(spec, RunOptions(quiet=False), engine_factory=fake_engine_factory(), log=lambda s: None)
+    assert "row" not in capsys.readouterr().err
+
+
 def test_part_files_without_a_manifest_are_not_resumed(tmp_path, fake_model_dir):
     inp = write_parquet(tmp_path / "in.parquet", id=["a"], prompt=["x"])
     spec = fake_spec(tmp_path, inp)
