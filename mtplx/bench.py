@@ -60,7 +60,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -199,6 +199,7 @@ def run_bench(
     log = _progress_printer(progress)
     path = Path(model_path) if model_path is not None else default_model_path()
     model = load(path)
+    plan = _depths_the_model_can_run(plan, model, path, log)
     # The baseline gets its own load, in mlx-lm's layout: MTPLX's runtime
     # re-lays the weights it decodes with for the CPU's GEMM (mtplx.gemm_layout).
     reference = load(path)
@@ -212,6 +213,21 @@ def run_bench(
     header["mtplx_gemm_layout"] = model.info.get("gemm_layout", 0)  # weights re-laid
     header["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return records
+
+
+def _depths_the_model_can_run(plan: BenchPlan, model, path: Path, log) -> BenchPlan:
+    """Without an MTP head only plain decoding runs: the speculative fixed
+    depths are left out (auto then plans plain decoding), or a clear error
+    when nothing else was asked for."""
+    drafting = [d for d in plan.depths if d not in (0, "auto")]
+    if model.head is not None or not drafting:
+        return plan
+    kept = tuple(d for d in plan.depths if d in (0, "auto"))
+    if not kept:
+        raise ValueError(f"{path}: this checkpoint has no MTP head, so it can only be benchmarked at depth 0 "
+                         "(plain decoding): pass --depths 0")
+    log(f"{path}: no MTP head: depths {', '.join(map(str, drafting))} left out (plain decoding only)")
+    return replace(plan, depths=kept)
 
 
 def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B: int, log) -> List[dict]:

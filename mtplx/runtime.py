@@ -57,7 +57,8 @@ class MTPLXRuntime:
         self.model = model
         self.contract = contract
         self.max_batch = max_batch
-        if contract.depth != 0 and model.head is None:
+        # "auto" picks the fastest depth; without a head that is plain decoding.
+        if contract.depth not in (0, "auto") and model.head is None:
             raise ValueError(
                 f"{model.path}: this checkpoint has no MTP head, so it cannot draft "
                 f"(depth={contract.depth!r}); use MTPContract(depth=0) for plain decoding"

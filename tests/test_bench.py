@@ -27,6 +27,7 @@ from mtplx.bench_report import format_table, write_plot
 from mtplx.bench_requirements import Cell, check_requirements, requirement_lines
 from mtplx.completion import Completion
 from mtplx.costs import BareCosts
+from mtplx.testing import tiny_checkpoint
 
 # ------------------------------------------------------------ unit: statistics
 
@@ -328,6 +329,19 @@ def test_tiny_run_writes_a_header_with_machine_versions_and_blas(tiny_records, t
     assert set(header["versions"]) >= {"python", "mlx", "mlx-lm", "mtplx"}
     assert header["blas"]["name"] and header["allocator"]
     assert header["prompts"]["count"] == 2 and header["max_tokens"] == 4
+
+
+def test_a_checkpoint_without_an_mtp_head_is_benchmarked_plainly_or_refused_clearly(tmp_path):
+    path = tiny_checkpoint("qwen3_5", tmp_path / "nohead", vocab_size=48, mtp_num_hidden_layers=0)
+    records = bench.run_bench(
+        path, batch_sizes=(1,), depths=(0, 2, "auto"), temperatures=(0.0,), max_tokens=3, repeats=1,
+        prompts=[[3, 4, 5]], progress=False,
+    )
+    assert [(r["engine"], r["depth"]) for r in records[1:]] == [("mlx_lm", None), ("mtplx", 0), ("mtplx", "auto")]
+    assert records[-1]["depth_used"] == 0
+    with pytest.raises(ValueError, match="no MTP head.*--depths 0"):
+        bench.run_bench(path, batch_sizes=(1,), depths=(2,), temperatures=(0.0,), max_tokens=3, repeats=1,
+                        prompts=[[3, 4, 5]], progress=False)
 
 
 def test_tiny_run_has_one_record_per_engine_batch_size_depth_and_temperature(tiny_records):

@@ -156,14 +156,17 @@ def test_metrics_follow_their_definitions(models):
             assert o.mean_accepted_length == pytest.approx((o.steps + sum(a)) / o.steps)
 
 
-def test_headless_checkpoint_decodes_at_depth_zero_and_refuses_to_draft(tmp_path):
+def test_headless_checkpoint_decodes_at_depth_zero_and_auto_and_refuses_to_draft(tmp_path):
     path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=VOCAB, mtp_num_hidden_layers=0)
     model = mtplx.load(path)
     assert model.head is None
     with pytest.raises(ValueError, match="no MTP head"):
         MTPLXRuntime(model, MTPContract(depth=2))
-    out = MTPLXRuntime(model, MTPContract(depth=0), max_batch=2).generate(_prompts(3), max_tokens=5)
-    assert [o.tokens for o in out] == [mlx_lm_greedy(model, p, 5) for p in _prompts(3)]
+    for depth in (0, "auto"):
+        rt = MTPLXRuntime(model, MTPContract(depth=depth), max_batch=2)
+        out = rt.generate(_prompts(3), max_tokens=5)
+        assert [o.tokens for o in out] == [mlx_lm_greedy(model, p, 5) for p in _prompts(3)]
+    assert rt.depth == 0 and rt.stats["auto_depth"]["reason"] == "no MTP head"
 
 
 def test_empty_and_overlong_prompts_become_error_rows(models):
