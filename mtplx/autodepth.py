@@ -368,7 +368,8 @@ class AutoDepth:
 def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     """Calibrate on this machine at this batch size and plan the job's depths."""
     if model.head is None:
-        return AutoDepth(0, 0, None, {"depth": 0, "reason": "no MTP head"})
+        return AutoDepth(0, 0, None, {"depth": 0, "reason": "no MTP head",
+                                      "policy": "plain decoding: this checkpoint has no MTP head to draft with"})
     K = contract.max_depth_auto
     acceptance = acceptance_prior(model, K)  # greedy: what the per-cycle controller starts from
     sampled = acceptance_prior(model, K, sampled=True)  # what the job depth (sampled rows) is chosen for

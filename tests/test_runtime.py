@@ -167,6 +167,7 @@ def test_headless_checkpoint_decodes_at_depth_zero_and_auto_and_refuses_to_draft
         out = rt.generate(_prompts(3), max_tokens=5)
         assert [o.tokens for o in out] == [mlx_lm_greedy(model, p, 5) for p in _prompts(3)]
     assert rt.depth == 0 and rt.stats["auto_depth"]["reason"] == "no MTP head"
+    assert rt.stats["auto_depth"]["policy"].startswith("plain decoding")  # what a job at depth auto prints
 
 
 def test_empty_and_overlong_prompts_become_error_rows(models):
