@@ -15,11 +15,38 @@ position.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
 
 _STEP = 256  # capacity grows in multiples of this many positions
+
+
+def put_rows(full: mx.array, rows: Sequence[int], values: Union[mx.array, float]) -> mx.array:
+    """`full` [B, ...] with rows `rows` (host ints, distinct) replaced by
+    `values` ([len(rows), ...] in that order, or a scalar).
+
+    Every row at once is `values` itself and one run of consecutive rows one
+    slice update; only other sets of rows take a scatter, which MLX's CPU
+    backend runs element by element: loading 4 rows into a [4, 2, 256, 24]
+    key cache took 323 us as a scatter and 111 us as a slice update (16
+    rows into 16: 1084 against 216), and a batch's loads write every
+    attention layer's keys and values."""
+    R = len(rows)
+    if R == 0:
+        return full
+    shape = (R, *full.shape[1:])
+    if isinstance(values, mx.array):
+        values = mx.broadcast_to(values.astype(full.dtype), shape)
+    else:
+        values = mx.full(shape, values, dtype=full.dtype)
+    start = rows[0]
+    if list(rows) == list(range(start, start + R)):
+        if R == full.shape[0]:
+            return values
+        return mx.slice_update(full, values, mx.array([start]), axes=(0,))
+    full[mx.array(rows, dtype=mx.int32)] = values
+    return full
 
 
 class SlotKVCache:
@@ -93,27 +120,27 @@ class SlotKVCache:
         self.lengths = lengths.astype(mx.int32)
         self.host_max = int(host_max)
 
-    def write_rows(self, rows: mx.array, keys: mx.array, values: mx.array, lengths: mx.array, host_max: int):
-        """Replace whole slots: rows [R] get keys/values [R, H, L, D] (zero
-        past them) and lengths [R]. One scatter however many rows refill."""
+    def write_rows(self, rows: Sequence[int], keys: mx.array, values: mx.array, lengths: mx.array, host_max: int):
+        """Replace whole slots: slots `rows` (host ints) get keys/values
+        [R, H, L, D] (zero past them) and lengths [R]."""
         L = keys.shape[2]
         if L == 0:  # nothing to write (one-token prompts have no head pairs)
             self.zero_rows(rows, host_max)
-            self.lengths[rows] = lengths.astype(mx.int32)
+            self.lengths = put_rows(self.lengths, rows, lengths.astype(mx.int32))
             return
         self._reserve(L, keys, values)
         cap = self.keys.shape[2]
         pad = [(0, 0), (0, 0), (0, cap - L), (0, 0)]
-        self.keys[rows] = mx.pad(keys, pad).astype(self.keys.dtype)
-        self.values[rows] = mx.pad(values, pad).astype(self.values.dtype)
-        self.lengths[rows] = lengths.astype(mx.int32)
+        self.keys = put_rows(self.keys, rows, mx.pad(keys, pad))
+        self.values = put_rows(self.values, rows, mx.pad(values, pad))
+        self.lengths = put_rows(self.lengths, rows, lengths.astype(mx.int32))
         self.host_max = int(host_max)
 
-    def zero_rows(self, rows: mx.array, host_max: int):
+    def zero_rows(self, rows: Sequence[int], host_max: int):
         if self.keys is not None:
-            self.keys[rows] = 0
-            self.values[rows] = 0
-        self.lengths[rows] = 0
+            self.keys = put_rows(self.keys, rows, 0.0)
+            self.values = put_rows(self.values, rows, 0.0)
+        self.lengths = put_rows(self.lengths, rows, 0)
         self.host_max = int(host_max)
 
     def take_rows(self, rows: mx.array) -> "SlotKVCache":
@@ -161,11 +188,11 @@ class SlotGDNCache:
     def arrays(self):
         return [self.conv, self.state]
 
-    def write_rows(self, rows: mx.array, conv: mx.array, state: mx.array):
-        """Replace whole slots: conv [R, K-1, C], state [R, Hv, Dv, Dk]."""
+    def write_rows(self, rows: Sequence[int], conv: mx.array, state: mx.array):
+        """Replace whole slots `rows` (host ints): conv [R, K-1, C], state [R, Hv, Dv, Dk]."""
         self.ensure(conv.shape[1:], conv.dtype, state.shape[1:])
-        self.conv[rows] = conv.astype(self.conv.dtype)
-        self.state[rows] = state.astype(self.state.dtype)
+        self.conv = put_rows(self.conv, rows, conv)
+        self.state = put_rows(self.state, rows, state)
 
     def take_rows(self, rows: mx.array) -> "SlotGDNCache":
         """A cache of len(rows) slots holding slots `rows` of this one
@@ -175,10 +202,10 @@ class SlotGDNCache:
             out.conv, out.state = self.conv[rows], self.state[rows]  # [R, K-1, C], [R, Hv, Dv, Dk]
         return out
 
-    def zero_rows(self, rows: mx.array):
+    def zero_rows(self, rows: Sequence[int]):
         if self.conv is not None:
-            self.conv[rows] = 0
-            self.state[rows] = 0
+            self.conv = put_rows(self.conv, rows, 0.0)
+            self.state = put_rows(self.state, rows, 0.0)
 
     @property
     def nbytes(self) -> int:

@@ -109,11 +109,12 @@ class SlotBatch:
         trunk_span = self.span_bound(self.trunk_len, in_flight)
         head_span = self.span_bound(self.head_len, in_flight)
         if self._released:
-            rows = mx.array(sorted(self._released), dtype=mx.int32)
+            released = sorted(self._released)
+            rows = mx.array(released, dtype=mx.int32)
             for c in self.trunk:
-                c.zero_rows(rows) if isinstance(c, SlotGDNCache) else c.zero_rows(rows, trunk_span)
+                c.zero_rows(released) if isinstance(c, SlotGDNCache) else c.zero_rows(released, trunk_span)
             for c in self.head:
-                c.zero_rows(rows, head_span)
+                c.zero_rows(released, head_span)
             self.active[rows] = False
             self.primary[rows] = 0
             self.cu_keep[rows] = 0
@@ -126,20 +127,21 @@ class SlotBatch:
         return True
 
     def _write_loads(self, trunk_span: int, head_span: int):
-        rows = mx.array([b for b, _, _ in self._loads], dtype=mx.int32)  # [R]
+        slots = [b for b, _, _ in self._loads]
+        rows = mx.array(slots, dtype=mx.int32)  # [R]
         pres = [pre for _, pre, _ in self._loads]
         lengths = mx.array([pre.length for pre in pres], dtype=mx.int32)  # [R]
         for i, slot in enumerate(self.trunk):
             if isinstance(slot, SlotGDNCache):
                 conv = _stack(pres, lambda p: p.trunk_cache[i].conv)  # [R, K-1, C]
                 state = _stack(pres, lambda p: p.trunk_cache[i].state)  # [R, Hv, Dv, Dk]
-                slot.write_rows(rows, conv, state)
+                slot.write_rows(slots, conv, state)
             else:
                 k, v = _stack_kv(pres, lambda p: p.trunk_cache[i], lambda p: p.length)
-                slot.write_rows(rows, k, v, lengths, trunk_span)
+                slot.write_rows(slots, k, v, lengths, trunk_span)
         for j, slot in enumerate(self.head):
             k, v = _stack_kv(pres, lambda p: p.head_cache[j], lambda p: p.length - 1)
-            slot.write_rows(rows, k, v, lengths - 1, head_span)
+            slot.write_rows(slots, k, v, lengths - 1, head_span)
         firsts = mx.array([t for _, _, t in self._loads], dtype=mx.int32)  # [R]
         self.primary[rows] = firsts
         self.emitted[rows] = 1
