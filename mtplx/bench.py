@@ -463,22 +463,23 @@ def add_auto_vs_best(records: List[dict]) -> None:
         return
     best = max(fixed, key=lambda r: r["ratio_vs_mlx_lm"])
     auto["best_fixed_depth"] = best["depth"]
-    auto["auto_vs_best_same_rounds"] = _median_or_none(
-        paired_ratios(list(zip(best["run_tokens_per_s"], auto["run_tokens_per_s"])))
-    )
+    same_rounds = paired_ratios(list(zip(best["run_tokens_per_s"], auto["run_tokens_per_s"])))
+    auto["auto_vs_best_same_rounds"] = _median_or_none(same_rounds)
     ratios = _cross_fitted_auto_ratios(auto, fixed)
+    if ratios is None:  # nothing to pick the depth on apart from the rounds themselves
+        ratios = same_rounds
     auto["auto_vs_best"] = _median_or_none(ratios)
     auto["auto_vs_best_ci"] = median_interval(ratios)
 
 
-def _cross_fitted_auto_ratios(auto: dict, fixed: List[dict]) -> List[float]:
+def _cross_fitted_auto_ratios(auto: dict, fixed: List[dict]) -> Optional[List[float]]:
     """auto's run over the run of the depth best on the rounds of the other
-    parity, round by round (`add_auto_vs_best`)."""
+    parity, round by round (`add_auto_vs_best`); None under two rounds or
+    without a per-round ratio of every fixed depth."""
     rounds = len(auto["run_tokens_per_s"])
     aligned = all(len(r.get("paired_ratios") or ()) == rounds for r in fixed)
-    if rounds < 2 or not aligned:  # nothing to pick on apart from the round itself
-        best = max(fixed, key=lambda r: r["ratio_vs_mlx_lm"])
-        return paired_ratios(list(zip(best["run_tokens_per_s"], auto["run_tokens_per_s"])))
+    if rounds < 2 or not aligned:
+        return None
     ratios = []
     for parity in (0, 1):
         others = [i for i in range(rounds) if i % 2 != parity]
