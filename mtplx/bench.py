@@ -37,7 +37,9 @@ one-token trunk step, a verify pass over k+1 tokens and a head pass, at the
 mean decode context, which give `predicted_speedup`.
 
 By default one run is one full batch: B prompts at batch size B. `--prompts N`
-runs N prompts at every batch size instead (continuous batching in both).
+runs N prompts at every batch size instead, `--prompts 1,16,16` a count per
+batch size; prompts beyond the batch size stream through its B slots,
+refilled as rows finish (continuous batching in both engines), as in a job.
 Each round takes the next prompts of the pool (every engine of a round runs
 the same ones), so that a batch size's acceptance is measured over as many
 prompts as it has rounds x prompts per run, not over its first B alone: the
@@ -45,8 +47,9 @@ first prompt alone accepted 0.80 at depth 1 at temperature 1, where the
 model's 128 held-out prompts accept 0.70, which is what "auto" plans from.
 
 `--quick` is what `make bench` runs (QUICK below): batch sizes 1,4,16, depths
-0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, 5 rounds (40 at batch size 1, 10 at 4), prompts clipped
-to their last 128 tokens.
+0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, prompts clipped to their
+last 128 tokens; a run is 1 prompt at batch size 1 (40 rounds), 16 streamed
+through 4 slots at batch size 4 and one batch of 16 at 16 (5 rounds each).
 """
 
 from __future__ import annotations
@@ -70,9 +73,17 @@ Depth = Union[int, str]
 # `make bench`: every depth and both temperatures, at the batch sizes the issue's
 # targets name plus 16; prompts clipped to 128 tokens so that prompt processing
 # (which speculation does not speed up) stays a minority of the wall time.
+DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
+
+# At batch 4 a run streams 16 prompts through the 4 slots, as a job refills
+# its slots from the queue: a run of one batch ends raggedly (its rows finish
+# at different cycles and nothing takes their slots), which at depth 3 left
+# 3.42 rows per cycle of 4 and capped its decode speed-up at 0.86 of the
+# per-row prediction; streaming 16, 3.68. At batch 1 there is no ragged end,
+# and at 16 a run of 16 prompts already takes 1-2.5 s.
 QUICK = dict(
     batch_sizes=(1, 4, 16), depths=(0, 1, 2, 3, "auto"), temperatures=(0.0, 1.0),
-    max_tokens=64, repeats=5, max_prompt_tokens=128,
+    max_tokens=64, repeats=5, max_prompt_tokens=128, num_prompts={1: 1, 4: 16, 16: 16},
 )
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
 SHORT_RUN_PROMPTS = 8  # runs of fewer prompts get proportionally more rounds (BenchPlan.rounds)
@@ -101,7 +112,7 @@ class BenchPlan:
     depths: Tuple[Depth, ...]
     temperatures: Tuple[float, ...]
     max_tokens: int
-    num_prompts: Optional[int]
+    num_prompts: Union[None, int, Dict[int, int]]  # prompts per run: all batch sizes, or by batch size
     repeats: int
     seed: int
     max_prompt_tokens: Optional[int] = None
@@ -118,8 +129,9 @@ class BenchPlan:
             raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.max_tokens < 1 or self.repeats < 1:
             raise ValueError("max_tokens and repeats must be >= 1")
-        if self.num_prompts is not None and self.num_prompts < 1:
-            raise ValueError("num_prompts must be >= 1")
+        counts = self.num_prompts.values() if isinstance(self.num_prompts, dict) else [self.num_prompts]
+        if any(n is not None and n < 1 for n in counts):
+            raise ValueError(f"prompts per run must be >= 1, got {self.num_prompts}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1")
 
@@ -134,8 +146,16 @@ class BenchPlan:
         five rounds gave medians of paired ratios to mlx-lm of 1.256 at
         depth 0 and 1.593 at depth 1 in a bench whose median tok/s put
         depth 1 at 1.13x depth 0."""
-        per_run = self.num_prompts or batch_size
-        return self.repeats * max(1, SHORT_RUN_PROMPTS // per_run)
+        return self.repeats * max(1, SHORT_RUN_PROMPTS // self.prompts_per_run(batch_size))
+
+    def prompts_per_run(self, batch_size: int) -> int:
+        """One run's prompts at this batch size (default: one full batch).
+        More than the batch size stream through its slots, refilled as rows
+        finish, in both engines."""
+        n = self.num_prompts
+        if isinstance(n, dict):
+            return n.get(batch_size, batch_size)
+        return n or batch_size
 
     def cost_depths(self, max_depth_auto: int) -> List[int]:
         """Verify depths whose cost a prediction needs ("auto" may pick any up to its max)."""
@@ -172,11 +192,11 @@ class Run:
 def run_bench(
     model_path=None,
     *,
-    batch_sizes: Sequence[int] = (1, 4, 16, 64),
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     depths: Sequence[Depth] = (0, 1, 2, 3, "auto"),
     temperatures: Sequence[float] = (0.0, 1.0),
     max_tokens: int = 128,
-    num_prompts: Optional[int] = None,
+    num_prompts: Union[None, int, Dict[int, int]] = None,
     repeats: int = 5,
     prompts: Optional[Sequence[Union[str, Sequence[int]]]] = None,
     seed: int = 0,
@@ -238,7 +258,7 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     from .mtp_patch import MTPContract
     from .runtime import MTPLXRuntime
 
-    n = plan.num_prompts or B
+    n = plan.prompts_per_run(B)
     batches = [take_prompts(pool, n, start=r * n) for r in range(plan.rounds(B))]  # one per round
     context = round(statistics.mean(len(p) for batch in batches for p in batch) + plan.max_tokens / 2)
     max_auto = MTPContract(depth="auto").max_depth_auto
@@ -415,7 +435,7 @@ def baseline_record(B: int, t: float, runs: List[Run], plan: BenchPlan) -> dict:
 
 def _run_fields(runs: List[Run], plan: BenchPlan, B: int) -> dict:
     return {
-        "num_prompts": plan.num_prompts or B,
+        "num_prompts": plan.prompts_per_run(B),
         "max_tokens": plan.max_tokens,
         "runs": len(runs),
         "tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
@@ -593,7 +613,7 @@ def header_record(model_path: Path, plan: BenchPlan, num_prompts: int, prompt_so
         "prompts": {
             "count": num_prompts,
             "source": prompt_source,
-            "per_run": plan.num_prompts or "batch size",
+            "per_run": {str(B): plan.prompts_per_run(B) for B in plan.batch_sizes},
             "rounds": "each round the next ones of the pool",
             "max_prompt_tokens": plan.max_prompt_tokens,
         },
@@ -753,7 +773,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--depths", type=_depths, default=None, help="e.g. 0,1,2,3,auto")
     p.add_argument("--temperatures", type=_floats, default=None, help="e.g. 0,1")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--prompts", type=int, default=None, dest="num_prompts", help="prompts per run (default: the batch size)")
+    p.add_argument("--prompts", type=_ints, default=None, dest="num_prompts",
+                   help="prompts per run: one count for every batch size, or one per batch size, e.g. 1,16,16 "
+                        "(default: the batch size, one full batch; more stream through the batch's slots)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep each prompt's last N tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -769,7 +791,21 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         value = getattr(args, name)
         if value is not None:
             base[name] = value
+    if isinstance(args.num_prompts, tuple):
+        base["num_prompts"] = prompts_by_batch_size(args.num_prompts, base.get("batch_sizes", DEFAULT_BATCH_SIZES))
+    elif isinstance(base.get("num_prompts"), dict) and args.batch_sizes is not None:
+        base.pop("num_prompts")  # QUICK's counts are for its own batch sizes
     return {**base, "seed": args.seed, "progress": not args.quiet}
+
+
+def prompts_by_batch_size(counts: Sequence[int], batch_sizes: Sequence[int]) -> Union[int, Dict[int, int]]:
+    """--prompts: one count for all batch sizes, or one per batch size."""
+    if len(counts) == 1:
+        return counts[0]
+    if len(counts) != len(batch_sizes):
+        raise ValueError(f"--prompts has {len(counts)} counts for {len(batch_sizes)} batch sizes {tuple(batch_sizes)}: "
+                         "give one for all, or one per batch size")
+    return dict(zip(batch_sizes, counts))
 
 
 def main(argv=None) -> int:

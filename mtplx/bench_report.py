@@ -105,12 +105,19 @@ def _series(rows: Sequence[dict], temperature: float):
     return [(label, sorted(groups[label])) for label in order]
 
 
+def _per_run(per_run) -> str:
+    """'16 at B=4, ...' from the header's prompts per run by batch size."""
+    if not isinstance(per_run, dict):  # records before 2026-11-30: one count, or "batch size"
+        return str(per_run)
+    return ", ".join(f"{n} at B={B}" for B, n in per_run.items())
+
+
 def _describe(h: dict) -> List[str]:
     m, v, p = h["machine"], h["versions"], h["prompts"]
     s = h["settings"]
     return [
         f"model: {h['model']}",
-        f"prompts: {p['count']} from {p['source']}, {p['per_run']} per run, "
+        f"prompts: {p['count']} from {p['source']}, {_per_run(p['per_run'])} per run, "
         f"clipped to {p.get('max_prompt_tokens') or 'no'} tokens; max_tokens {h['max_tokens']}; "
         f"repeats {s['repeats']}{_rounds(s)}; seed {s['seed']}",
         f"machine: {m['processor']}, {m['cpu_count']} CPUs, {m['platform']}",

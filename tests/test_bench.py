@@ -234,8 +234,27 @@ def test_quick_flag_gives_make_bench_settings_and_flags_override_it():
     s = settings_from_args(parse_args(["--output", "x.json", "--quick", "--max-tokens", "32"]))
     assert s["batch_sizes"] == (1, 4, 16) and s["depths"] == (0, 1, 2, 3, "auto")
     assert s["max_tokens"] == 32 and s["repeats"] == 5 and s["max_prompt_tokens"] == 128
+    assert s["num_prompts"] == {1: 1, 4: 16, 16: 16}  # batch 4 streams 16 prompts through its slots
     plain = settings_from_args(parse_args(["--output", "x.json", "--depths", "0,auto"]))
     assert plain["depths"] == (0, "auto") and "batch_sizes" not in plain  # run_bench's default
+    assert "num_prompts" not in plain  # one full batch per run
+
+
+def test_prompts_per_run_is_one_count_or_one_per_batch_size():
+    quick = BenchPlan((1, 4, 16), (0,), (0.0,), 8, {1: 1, 4: 16, 16: 16}, 5, 0)
+    assert [quick.prompts_per_run(B) for B in (1, 4, 16)] == [1, 16, 16]
+    assert [quick.rounds(B) for B in (1, 4, 16)] == [40, 5, 5]
+    s = settings_from_args(parse_args(["--output", "x", "--batch-sizes", "1,4", "--prompts", "2,8"]))
+    assert s["num_prompts"] == {1: 2, 4: 8}
+    s = settings_from_args(parse_args(["--output", "x", "--batch-sizes", "1,4", "--prompts", "8"]))
+    assert s["num_prompts"] == 8
+    with pytest.raises(ValueError, match="one per batch size"):
+        settings_from_args(parse_args(["--output", "x", "--batch-sizes", "1,4,16", "--prompts", "2,8"]))
+    # --quick's counts are for its own batch sizes: other batch sizes run one batch.
+    s = settings_from_args(parse_args(["--output", "x", "--quick", "--batch-sizes", "2"]))
+    assert "num_prompts" not in s
+    with pytest.raises(ValueError):
+        BenchPlan((4,), (0,), (0.0,), 8, {4: 0}, 5, 0)
 
 
 # ------------------------------------------------------------ the run order
@@ -329,6 +348,18 @@ def test_tiny_run_writes_a_header_with_machine_versions_and_blas(tiny_records, t
     assert set(header["versions"]) >= {"python", "mlx", "mlx-lm", "mtplx"}
     assert header["blas"]["name"] and header["allocator"]
     assert header["prompts"]["count"] == 2 and header["max_tokens"] == 4
+
+
+def test_a_run_of_more_prompts_than_slots_streams_them_all_through_the_batch(tiny_model):
+    records = bench.run_bench(
+        tiny_model, batch_sizes=(2,), depths=(0, 1), temperatures=(0.0,), max_tokens=3, repeats=1,
+        num_prompts={2: 5}, prompts=[[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15], [16]], progress=False,
+    )
+    assert records[0]["prompts"]["per_run"] == {"2": 5}
+    runs = [r for r in records[1:]]
+    assert [r["num_prompts"] for r in runs] == [5, 5, 5]
+    mtplx_runs = [r for r in runs if r["engine"] == "mtplx"]
+    assert all(r["generated_tokens"] > 2 * 3 for r in mtplx_runs)  # more than one batch of 2 rows decoded
 
 
 def test_a_checkpoint_without_an_mtp_head_is_benchmarked_plainly_or_refused_clearly(tmp_path):
