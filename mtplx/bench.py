@@ -149,7 +149,8 @@ class BenchPlan:
         return self.repeats * max(1, SHORT_RUN_PROMPTS // self.prompts_per_run(batch_size))
 
     def prompts_per_run(self, batch_size: int) -> int:
-        """One run's prompts at this batch size (default: one full batch).
+        """One run's prompts at this batch size (default, and batch sizes a
+        dict leaves out: one full batch).
         More than the batch size stream through its slots, refilled as rows
         finish, in both engines."""
         n = self.num_prompts
@@ -791,10 +792,8 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         value = getattr(args, name)
         if value is not None:
             base[name] = value
-    if isinstance(args.num_prompts, tuple):
+    if args.num_prompts is not None:
         base["num_prompts"] = prompts_by_batch_size(args.num_prompts, base.get("batch_sizes", DEFAULT_BATCH_SIZES))
-    elif isinstance(base.get("num_prompts"), dict) and args.batch_sizes is not None:
-        base.pop("num_prompts")  # QUICK's counts are for its own batch sizes
     return {**base, "seed": args.seed, "progress": not args.quiet}
 
 

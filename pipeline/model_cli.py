@@ -98,7 +98,10 @@ def _depth(v: str):
 @click.option("--depths", callback=_csv(_depth), default="0,1,2,3,auto", show_default=True)
 @click.option("--temperatures", callback=_csv(float), default="0,1", show_default=True)
 @click.option("--max-tokens", type=int, default=64, show_default=True)
-@click.option("--prompts", "num_prompts", type=int, default=None, help="Prompts per run (default: one full batch).")
+@click.option("--prompts", "num_prompts", callback=_csv(int), default=None,
+              help="Prompts per run: one count for every batch size, or one per batch size, e.g. 1,16,16. "
+                   "Prompts beyond the batch size stream through its slots, refilled as rows finish. "
+                   "Default: 16 at batch size 4 (4 per slot, as a job refills them), else one full batch.")
 @click.option("--max-prompt-tokens", type=int, default=128, show_default=True, help="Keep each prompt's last N tokens.")
 @click.option("--repeats", type=int, default=5, show_default=True,
               help="Rounds per setting; each runs mlx-lm once, then every depth (the order rotates). "
@@ -116,7 +119,7 @@ def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts,
     median of paired ratios, acceptance, and the bare step/verify/head costs
     that bound what speculation can gain.
     """
-    from mtplx.bench import run_bench
+    from mtplx.bench import QUICK, prompts_by_batch_size, run_bench
     from mtplx.bench_report import format_table, require_matplotlib, write_plot
 
     if plot:
@@ -125,6 +128,7 @@ def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts,
         except (ImportError, RuntimeError) as e:
             _fail(str(e))
     try:
+        num_prompts = QUICK["num_prompts"] if num_prompts is None else prompts_by_batch_size(num_prompts, batch_sizes)
         records = run_bench(model, batch_sizes=batch_sizes, depths=depths, temperatures=temperatures,
                             max_tokens=max_tokens, num_prompts=num_prompts, repeats=repeats, seed=seed,
                             progress=not quiet, max_prompt_tokens=max_prompt_tokens)

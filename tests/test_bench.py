@@ -250,9 +250,10 @@ def test_prompts_per_run_is_one_count_or_one_per_batch_size():
     assert s["num_prompts"] == 8
     with pytest.raises(ValueError, match="one per batch size"):
         settings_from_args(parse_args(["--output", "x", "--batch-sizes", "1,4,16", "--prompts", "2,8"]))
-    # --quick's counts are for its own batch sizes: other batch sizes run one batch.
-    s = settings_from_args(parse_args(["--output", "x", "--quick", "--batch-sizes", "2"]))
-    assert "num_prompts" not in s
+    # --quick's counts are by batch size: one it leaves out runs one batch.
+    s = settings_from_args(parse_args(["--output", "x", "--quick", "--batch-sizes", "2,4"]))
+    plan = BenchPlan(s["batch_sizes"], (0,), (0.0,), 8, s["num_prompts"], 5, 0)
+    assert [plan.prompts_per_run(B) for B in (2, 4)] == [2, 16]
     with pytest.raises(ValueError):
         BenchPlan((4,), (0,), (0.0,), 8, {4: 0}, 5, 0)
 
@@ -476,3 +477,19 @@ def test_module_entry_writes_json_records_and_prints_the_table(tiny_model, tmp_p
     records = json.loads(out.read_text())
     assert [r["engine"] for r in records] == ["header", "mlx_lm", "mtplx"]
     assert "mlx_lm" in capsys.readouterr().out
+
+
+def test_mtplx_bench_command_takes_prompts_per_batch_size_and_refuses_a_count_mismatch(tiny_model, tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.model_cli import bench_cmd
+
+    out = tmp_path / "b.json"
+    args = ["--model", str(tiny_model), "--batch-sizes", "1,2", "--depths", "0", "--temperatures", "0",
+            "--max-tokens", "2", "--repeats", "1", "--quiet", "--output", str(out)]
+    result = CliRunner().invoke(bench_cmd, args + ["--prompts", "1,3"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())
+    assert records[0]["prompts"]["per_run"] == {"1": 1, "2": 3}
+    bad = CliRunner().invoke(bench_cmd, args + ["--prompts", "1,2,3"])
+    assert bad.exit_code != 0 and "one per batch size" in bad.output
