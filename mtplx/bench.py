@@ -70,11 +70,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 Depth = Union[int, str]
 
+DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
+
 # `make bench`: every depth and both temperatures, at the batch sizes the issue's
 # targets name plus 16; prompts clipped to 128 tokens so that prompt processing
 # (which speculation does not speed up) stays a minority of the wall time.
-DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
-
 # At batch 4 a run streams 16 prompts through the 4 slots, as a job refills
 # its slots from the queue: a run of one batch ends raggedly (its rows finish
 # at different cycles and nothing takes their slots), which at depth 3 left
