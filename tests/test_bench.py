@@ -357,7 +357,7 @@ def test_a_run_of_more_prompts_than_slots_streams_them_all_through_the_batch(tin
         num_prompts={2: 5}, prompts=[[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15], [16]], progress=False,
     )
     assert records[0]["prompts"]["per_run"] == {"2": 5}
-    runs = [r for r in records[1:]]
+    runs = records[1:]
     assert [r["num_prompts"] for r in runs] == [5, 5, 5]
     mtplx_runs = [r for r in runs if r["engine"] == "mtplx"]
     assert all(r["generated_tokens"] > 2 * 3 for r in mtplx_runs)  # more than one batch of 2 rows decoded
