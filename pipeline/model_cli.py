@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from mtplx.bench import QUICK  # the make-bench settings: the command's defaults (no MLX import)
+
 
 def _fail(message: str):
     click.echo(f"error: {message}", err=True)
@@ -92,18 +94,23 @@ def _depth(v: str):
     return "auto" if v.strip() == "auto" else int(v)
 
 
+def _listed(values) -> str:
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
 @click.command("bench")
 @click.option("--model", type=click.Path(), default=None, help="Checkpoint (default: the built-in model).")
-@click.option("--batch-sizes", callback=_csv(int), default="1,4,16", show_default=True)
-@click.option("--depths", callback=_csv(_depth), default="0,1,2,3,auto", show_default=True)
-@click.option("--temperatures", callback=_csv(float), default="0,1", show_default=True)
-@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--batch-sizes", callback=_csv(int), default=_listed(QUICK["batch_sizes"]), show_default=True)
+@click.option("--depths", callback=_csv(_depth), default=_listed(QUICK["depths"]), show_default=True)
+@click.option("--temperatures", callback=_csv(float), default=_listed(QUICK["temperatures"]), show_default=True)
+@click.option("--max-tokens", type=int, default=QUICK["max_tokens"], show_default=True)
 @click.option("--prompts", "num_prompts", callback=_csv(int), default=None,
               help="Prompts per run: one count for every batch size, or one per batch size, e.g. 1,16,16. "
                    "Prompts beyond the batch size stream through its slots, refilled as rows finish. "
                    "Default: 16 at batch size 4 (4 per slot, as a job refills them), else one full batch.")
-@click.option("--max-prompt-tokens", type=int, default=128, show_default=True, help="Keep each prompt's last N tokens.")
-@click.option("--repeats", type=int, default=5, show_default=True,
+@click.option("--max-prompt-tokens", type=int, default=QUICK["max_prompt_tokens"], show_default=True,
+              help="Keep each prompt's last N tokens.")
+@click.option("--repeats", type=int, default=QUICK["repeats"], show_default=True,
               help="Rounds per setting; each runs mlx-lm once, then every depth (the order rotates). "
                    "Runs of fewer than 8 prompts get 8 // prompts times as many.")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -119,7 +126,7 @@ def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts,
     median of paired ratios, acceptance, and the bare step/verify/head costs
     that bound what speculation can gain.
     """
-    from mtplx.bench import QUICK, prompts_by_batch_size, run_bench
+    from mtplx.bench import prompts_by_batch_size, run_bench
     from mtplx.bench_report import format_table, require_matplotlib, write_plot
 
     if plot:
