@@ -124,6 +124,15 @@ KEEP_SPECULATING_ABOVE = 1.0
 # batch 1 greedy, where it ran 0.998 once it stayed put.
 DEPTH_TOLERANCE = 1.05
 
+# A job depth at batch size 1 is the depth predicted fastest. Of the reasons
+# for DEPTH_TOLERANCE, one row at one depth meets none but the keyed draws:
+# no rows finish unevenly and nothing changes depth. Under the tolerance,
+# sampled rows at batch 1 ran depth 2 in seven of eight `make bench` runs
+# (2026-11-30), where calibration put depth 3 up to 4.7% ahead of it; depth 3
+# measured 0.8-3.7% faster than depth 2 in all eight, and auto in those
+# seven came out at 0.92-1.01 of the best fixed depth.
+SINGLE_ROW_JOB_TOLERANCE = 1.0
+
 
 # Interleaved rounds of the bare passes timed at calibration (the step's
 # fastest anchors same-round ratios): BARE_ROUNDS_FIRST, then
@@ -167,13 +176,15 @@ def fastest_depth(scores: dict, tolerance: float = DEPTH_TOLERANCE) -> int:
     return min(k for k, s in scores.items() if s * tolerance >= top)
 
 
-def best_depth(costs, acceptance: Sequence[float], max_depth: int, margin: float = 1.0) -> int:
-    """The depth with the best predicted speed-up; 0 unless one beats `margin`."""
+def best_depth(costs, acceptance: Sequence[float], max_depth: int, margin: float = 1.0,
+               tolerance: float = DEPTH_TOLERANCE) -> int:
+    """The shallowest depth predicted within `tolerance` of the best speed-up;
+    0 unless one beats `margin`."""
     depths = [k for k in range(1, max_depth + 1) if k in costs.verify_s and k <= len(acceptance)]
     scores = {k: predicted_speedup(costs, acceptance, k) for k in depths}
     if not scores:
         return 0
-    best = fastest_depth(scores)
+    best = fastest_depth(scores, tolerance)
     return best if max(scores.values()) >= margin else 0
 
 
@@ -380,7 +391,8 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile, bare=sampler,
                                 bare_rounds_between=BARE_ROUNDS_BETWEEN)
     bare = sampler.costs()
-    job = best_depth(costs, sampled, K, margin=SPECULATION_MARGIN)
+    job = best_depth(costs, sampled, K, margin=SPECULATION_MARGIN,
+                     tolerance=SINGLE_ROW_JOB_TOLERANCE if max_batch == 1 else DEPTH_TOLERANCE)
     # Greedy rows start speculating where any depth is predicted to win: their
     # output does not depend on the depth, and the controller goes off by
     # itself once the running acceptance predicts no gain. (At batch 4 here

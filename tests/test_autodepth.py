@@ -399,6 +399,34 @@ def test_greedy_rows_start_speculating_on_any_predicted_gain_while_a_job_depth_n
             assert plan.controller is None and plan.max_depth == 0  # plain decoding, no head work
 
 
+def test_a_job_depth_at_batch_1_is_the_fastest_predicted_while_larger_batches_keep_the_tolerance(monkeypatch):
+    import types
+
+    import mtplx.autodepth as autodepth
+    from mtplx.costs import CycleCosts
+
+    class PlantedSampler:  # bare costs without timing anything
+        def __init__(self, *a, **k):
+            pass
+
+        def sample(self, rounds):
+            pass
+
+        def costs(self):
+            return BareCosts(batch_size=1, context=64, step_s=10.0, verify_s={1: 12.0, 2: 14.0, 3: 16.0})
+
+    monkeypatch.setattr(autodepth, "BareCostSampler", PlantedSampler)
+    monkeypatch.setattr(autodepth, "measure_cycle_costs",
+                        lambda model, B, **k: CycleCosts(B, {0: 10.0, 1: 12.0, 2: 14.0, 3: 16.0}))
+    acc = [0.8, 0.6, 0.4]  # depth 2: 2.4 x 10 / 14 = 1.714; depth 3: 2.8 x 10 / 16 = 1.75, 2% ahead
+    monkeypatch.setattr(autodepth, "acceptance_prior", lambda model, depths, sampled=False: acc)
+    model = types.SimpleNamespace(head=object())
+    contract = MTPContract(depth="auto", max_depth_auto=3)
+    assert 1.0 < predicted_speedup(CycleCosts(1, {0: 10.0, 2: 14.0, 3: 16.0}), acc, 3) / 1.714 < DEPTH_TOLERANCE
+    assert autodepth.plan_auto_depth(model, contract, max_batch=1).job_depth == 3
+    assert autodepth.plan_auto_depth(model, contract, max_batch=4).job_depth == 2
+
+
 def test_a_job_depth_must_win_by_the_margin():
     costs = _costs(10.0, {1: 10.5, 2: 11.0, 3: 11.5}, 0.0)
     acc = [0.06, 0.0, 0.0]  # depth 1 predicted 1.06 / 1.05 = ~1.01x
