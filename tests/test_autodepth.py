@@ -369,24 +369,33 @@ def test_with_bare_costs_the_shape_across_depths_is_theirs_and_the_overhead_is_p
     assert seconds[1] < seconds[2] < seconds[3]
 
 
-def test_greedy_rows_start_speculating_on_any_predicted_gain_while_a_job_depth_needs_the_margin(monkeypatch):
-    import types
-
+def _plant_calibration(monkeypatch, cycle_s: dict):
+    """plan_auto_depth's calibration, without timing anything: every depth's
+    cycle (and bare pass) costs cycle_s[k]."""
     import mtplx.autodepth as autodepth
     from mtplx.costs import CycleCosts
 
-    class PlantedSampler:  # bare costs without timing anything
-        def __init__(self, *a, **k):
-            pass
+    class PlantedSampler:
+        def __init__(self, model, batch_size, *a, **k):
+            self.batch_size = batch_size
 
         def sample(self, rounds):
             pass
 
         def costs(self):
-            return BareCosts(batch_size=4, context=64, step_s=10.0, verify_s={1: 14.0})
+            verify = {k: s for k, s in cycle_s.items() if k > 0}
+            return BareCosts(batch_size=self.batch_size, context=64, step_s=cycle_s[0], verify_s=verify)
 
     monkeypatch.setattr(autodepth, "BareCostSampler", PlantedSampler)
-    monkeypatch.setattr(autodepth, "measure_cycle_costs", lambda *a, **k: CycleCosts(4, {0: 10.0, 1: 14.0}))
+    monkeypatch.setattr(autodepth, "measure_cycle_costs", lambda model, batch_size, **k: CycleCosts(batch_size, cycle_s))
+
+
+def test_greedy_rows_start_speculating_on_any_predicted_gain_while_a_job_depth_needs_the_margin(monkeypatch):
+    import types
+
+    import mtplx.autodepth as autodepth
+
+    _plant_calibration(monkeypatch, {0: 10.0, 1: 14.0})
     model = types.SimpleNamespace(head=object())
     contract = MTPContract(depth="auto", max_depth_auto=1)
     for prior, greedy_on in ((0.44, True), (0.36, False)):  # depth 1: 1.44 x 10 / 14 = 1.03, 1.36 x 10 / 14 = 0.97
@@ -405,24 +414,14 @@ def test_a_job_depth_at_batch_1_is_the_fastest_predicted_while_larger_batches_ke
     import mtplx.autodepth as autodepth
     from mtplx.costs import CycleCosts
 
-    class PlantedSampler:  # bare costs without timing anything
-        def __init__(self, *a, **k):
-            pass
-
-        def sample(self, rounds):
-            pass
-
-        def costs(self):
-            return BareCosts(batch_size=1, context=64, step_s=10.0, verify_s={1: 12.0, 2: 14.0, 3: 16.0})
-
-    monkeypatch.setattr(autodepth, "BareCostSampler", PlantedSampler)
-    monkeypatch.setattr(autodepth, "measure_cycle_costs",
-                        lambda model, B, **k: CycleCosts(B, {0: 10.0, 1: 12.0, 2: 14.0, 3: 16.0}))
+    cycle_s = {0: 10.0, 1: 12.0, 2: 14.0, 3: 16.0}
+    _plant_calibration(monkeypatch, cycle_s)
     acc = [0.8, 0.6, 0.4]  # depth 2: 2.4 x 10 / 14 = 1.714; depth 3: 2.8 x 10 / 16 = 1.75, 2% ahead
     monkeypatch.setattr(autodepth, "acceptance_prior", lambda model, depths, sampled=False: acc)
     model = types.SimpleNamespace(head=object())
     contract = MTPContract(depth="auto", max_depth_auto=3)
-    assert 1.0 < predicted_speedup(CycleCosts(1, {0: 10.0, 2: 14.0, 3: 16.0}), acc, 3) / 1.714 < DEPTH_TOLERANCE
+    costs = CycleCosts(1, cycle_s)
+    assert 1.0 < predicted_speedup(costs, acc, 3) / predicted_speedup(costs, acc, 2) < DEPTH_TOLERANCE
     assert autodepth.plan_auto_depth(model, contract, max_batch=1).job_depth == 3
     assert autodepth.plan_auto_depth(model, contract, max_batch=4).job_depth == 2
 
