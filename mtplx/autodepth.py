@@ -125,14 +125,14 @@ KEEP_SPECULATING_ABOVE = 1.0
 DEPTH_TOLERANCE = 1.05
 
 # A job depth at batch size 1 is the depth predicted fastest. Of the reasons
-# for DEPTH_TOLERANCE, one row at one depth meets none but the keyed draws:
-# no rows finish unevenly and nothing changes depth. Under the tolerance,
+# for DEPTH_TOLERANCE only the deeper depth's extra keyed draws apply to one
+# row at one fixed depth: no rows finish unevenly, nothing changes depth, and
+# the draws' cost did not show in the measurements below. Under the tolerance,
 # sampled rows at batch 1 ran depth 2 in seven of eight `make bench` runs
 # (2026-11-30), where calibration put depth 3 up to 4.7% ahead of it; depth 3
 # measured 0.8-3.7% faster than depth 2 in all eight, and auto in those
 # seven came out at 0.92-1.01 of the best fixed depth.
 SINGLE_ROW_JOB_TOLERANCE = 1.0
-
 
 # Interleaved rounds of the bare passes timed at calibration (the step's
 # fastest anchors same-round ratios): BARE_ROUNDS_FIRST, then
