@@ -46,7 +46,7 @@ def format_table(records: Sequence[dict]) -> str:
         "decode vs: the same outside prompt processing; prefill: its share of the wall time.",
         "ideal: 1 + accepted drafts per cycle; pred: ideal x step / (verify + k head), from the bare costs; "
         "meas / meas dec: tok/s over MTPLX depth 0, wall / decode only; dec/pred: meas dec / pred; "
-        "rows/cyc: rows decoded per cycle (B while the batch is full); "
+        "rows/cyc: rows decoded per cycle (B while the batch is full); auto=k: the depth most of auto's cycles ran at; "
         "auto/best: auto's run over the run of its round at the fixed depth best on the other rounds "
         "(named: the best on all rounds), median.",
     ]
@@ -150,8 +150,16 @@ def _depth(r: dict) -> str:
     if r["engine"] == "mlx_lm":
         return "-"
     if r["depth"] == "auto":
-        return f"auto={r['depth_used']}"
+        return f"auto={_depth_run_most(r)}"
     return str(r["depth"])
+
+
+def _depth_run_most(r: dict) -> int:
+    """The depth most of an "auto" record's timed cycles ran at. Its
+    depth_used, the job depth, is what rows sampling under the residual rule
+    run at; greedy rows follow the running controller."""
+    cycles = {int(k): n for k, n in (r.get("cycles_by_depth") or {}).items() if n}
+    return max(cycles, key=lambda k: (cycles[k], -k)) if cycles else r["depth_used"]
 
 
 def _auto_vs_best(r: dict) -> str:

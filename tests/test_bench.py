@@ -438,6 +438,18 @@ def test_table_has_a_line_for_every_record_and_the_bare_costs(tiny_records):
     assert "requirements (median [90% confidence interval of it]):" in table and "depth 0 >= 0.95 of mlx-lm" in table
 
 
+def test_table_names_auto_by_the_depth_most_of_its_cycles_ran_at_not_the_job_depth(tiny_records):
+    # Greedy rows follow the running controller, so auto's job depth (its
+    # depth_used, for rows sampling under the residual rule) need not be what ran.
+    auto = next(r for r in tiny_records if r.get("depth") == "auto")
+    planted = [tiny_records[0], {**auto, "depth_used": 3, "cycles_by_depth": {"0": 1, "1": 3, "2": 9, "3": 4}}]
+    line = next(line for line in format_table(planted).splitlines() if "auto=" in line)
+    assert line.split()[3] == "auto=2"
+    idle = {**auto, "depth_used": 3, "cycles_by_depth": {"0": 0, "1": 0, "2": 0, "3": 0}}
+    line = next(line for line in format_table([tiny_records[0], idle]).splitlines() if "auto=" in line)
+    assert line.split()[3] == "auto=3"  # no cycle timed: the planned depth
+
+
 def _plot_records():
     rows = [{"engine": "header"}]
     for B in (1, 4):
