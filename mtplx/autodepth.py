@@ -279,7 +279,14 @@ class DepthController:
         cond = (self.prior_passed + self.passed) / (self.prior_reached + self.reached)
         return [float(x) for x in np.cumprod(cond)]
 
-    def choose(self) -> int:
+    def choose(self, draining: bool = False) -> int:
+        """The depth of the next cycle. `draining`: nothing waits to refill
+        the batch and several rows run. Then no probe starts: speculating
+        lets rows drift apart, and once nothing refills the batch its last
+        cycles run for its slowest rows, which a probe's prediction (each
+        row's own cycles) does not see. In one batch of 16 here depth 1
+        measured 0.85-0.99 of plain decoding where probes predicted more
+        than the margin, and turned speculation on."""
         if self._explore_left > 0:
             self._explore_left -= 1
             return self._explore_depth
@@ -298,7 +305,7 @@ class DepthController:
             self.timing.pair_count(0, best) < self.timing.min_pairs and self._plain_bursts < MEASURE_PLAIN_BURSTS)
         if not going_off:
             self._plain_bursts = 0
-        if self.off and self.rows_seen >= self.retry_rows:
+        if self.off and self.rows_seen >= self.retry_rows and not draining:
             self.off, self.rows_seen, self.probing = False, 0, True
         elif going_off and not measure_plain:
             self.off, self.rows_seen = True, 0
@@ -345,7 +352,7 @@ class DepthSequence:
     def __init__(self, depths: Sequence[int]):
         self.depths = iter(depths)
 
-    def choose(self) -> int:
+    def choose(self, draining: bool = False) -> int:
         k = next(self.depths, None)
         if k is None:
             raise WarmUpDone
@@ -393,17 +400,27 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     bare = sampler.costs()
     job = best_depth(costs, sampled, K, margin=SPECULATION_MARGIN,
                      tolerance=SINGLE_ROW_JOB_TOLERANCE if max_batch == 1 else DEPTH_TOLERANCE)
-    # Greedy rows start speculating where any depth is predicted to win: their
-    # output does not depend on the depth, and the controller goes off by
-    # itself once the running acceptance predicts no gain. (At batch 4 here
-    # calibration's best greedy prediction was 1.03-1.24 over plain in four
-    # benches, moving with its timing noise, where depth 1 measured
-    # 1.02-1.16; below the margin the controller started off, and its
-    # probes, which take the margin, kept it off.)
+    # Greedy rows keep a controller wherever some depth is predicted to win
+    # at all, and start speculating only where one wins by the margin; in
+    # between, the controller starts off and probes (DepthController), and
+    # its own cycle timings decide. Their output does not depend on the
+    # depth either way. In nine `make bench` runs (2026-11-30) calibration's
+    # greedy prediction at batch 16 was 0.94-1.08 (1.28 once), where depth 1
+    # measured 0.85-0.99 of plain decoding in one batch of 16 (1.045 once).
+    # Started on (seven runs), the controller went off partway through
+    # batches whose rows already finished unevenly, and auto came out at
+    # 0.88-0.98 of plain (mean 0.93); planned plain (two), at 0.94 and 0.98.
+    # A start off costs little where probes run and speculation does pay: at
+    # batch 4, forced off at the start, a controller ran 251 plain cycles
+    # before its probes turned it on, and 1.008 of one started on over 20
+    # paired rounds (one batch of 4 a run, measured before probes waited for
+    # queued rows). In one batch with nothing queued it now stays off; at
+    # batch 4 calibration predicted 1.06-1.29 in those nine runs.
     greedy = best_depth(costs, acceptance, K, margin=KEEP_SPECULATING_ABOVE)
+    start = best_depth(costs, acceptance, K, margin=SPECULATION_MARGIN)
     record = {
         "depth": job,
-        "greedy_depth_at_start": greedy,
+        "greedy_depth_at_start": start,
         "acceptance_prior": acceptance,
         "acceptance_prior_sampled": sampled,
         "bare_costs": bare.as_dict(),
@@ -417,6 +434,6 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     record["policy"] = (
         f"depth {job} in cycles with a row sampling under the residual rule (one depth per job); "
         f"otherwise (greedy rows, or the coupled rule) 0..{K} per cycle from the running acceptance, "
-        f"starting {'at depth ' + str(greedy) if greedy else 'with speculation off'}"
+        f"starting {'at depth ' + str(start) if start else 'with speculation off'}"
     )
-    return AutoDepth(job, K, DepthController(costs, acceptance, K, start_off=greedy == 0), record)
+    return AutoDepth(job, K, DepthController(costs, acceptance, K, start_off=start == 0), record)

@@ -184,7 +184,7 @@ class MTPLXRuntime:
                     self.stats["batch_shrinks"] += 1
             launched = None
             if batch.any_active():
-                launched = self._launch(batch, int(inflight is not None), self._cycle_depth(batch))
+                launched = self._launch(batch, int(inflight is not None), self._cycle_depth(batch, waiting))
             if inflight is not None:
                 yield from self._collect(batch, inflight)
             inflight = launched
@@ -295,14 +295,15 @@ class MTPLXRuntime:
         return ids
 
     # -- one decode cycle (device only: nothing here waits for the host) ----
-    def _cycle_depth(self, batch: SlotBatch) -> int:
+    def _cycle_depth(self, batch: SlotBatch, waiting: "_Samples") -> int:
         """The depth of the next cycle (see mtplx.autodepth for the policy)."""
         auto = self.auto
         if auto is None or auto.controller is None:
             return self.depth
         if not batch.sampling.all_greedy and self.contract.acceptance == "residual":
             return auto.job_depth  # a residual-rule row's draws depend on the depth
-        return auto.controller.choose()
+        live = sum(r is not None for r in batch.rows)
+        return auto.controller.choose(draining=not waiting.pending and live > 1)
 
     def _launch(self, batch: SlotBatch, in_flight: int, k: int) -> "_InFlight":
         t0 = time.perf_counter()
@@ -490,11 +491,25 @@ class _Samples:
     def __init__(self, requests: Iterator[Request]):
         self.requests = requests
         self.ready = deque()  # ("row", (pre, row, first)) or ("done", Completion)
+        self.ahead: Optional[Request] = None  # read ahead by `pending`
         self.exhausted = False
 
     @property
     def pending(self) -> bool:
-        return bool(self.ready) or not self.exhausted
+        """Whether any row is still to come. Reads one request ahead when
+        none is ready, so a batch knows it is draining (nothing will refill
+        it) before a slot frees, not at the first refill that finds nothing."""
+        if not self.ready and self.ahead is None and not self.exhausted:
+            self.ahead = self._pull()
+        return bool(self.ready) or self.ahead is not None
+
+    def _pull(self) -> Optional[Request]:
+        if self.ahead is not None:
+            req, self.ahead = self.ahead, None
+            return req
+        req = next(self.requests, None)
+        self.exhausted = req is None
+        return req
 
     def next(self, rt: MTPLXRuntime, seed: int, want: int):
         if not self.ready:
@@ -504,10 +519,9 @@ class _Samples:
     def _prepare_group(self, rt: MTPLXRuntime, seed: int, want: int):
         group, rows, longest = [], 0, 0
         budget = rt.contract.prefill_batch_tokens
-        while rows < want and not self.exhausted:
-            req = next(self.requests, None)
+        while rows < want:
+            req = self._pull()
             if req is None:
-                self.exhausted = True
                 break
             try:
                 ids = rt._encode(req)

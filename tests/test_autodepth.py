@@ -132,6 +132,15 @@ def test_an_off_controller_probes_and_stays_on_only_if_the_running_acceptance_pa
         assert (k > 0) == stays_on, (accepted, c.acceptance())
 
 
+def test_an_off_controller_does_not_probe_while_its_batch_drains():
+    costs = _costs(10.0, {1: 14.0, 2: 17.0, 3: 20.0}, 0.0)
+    c = DepthController(costs, [0.3, 0.1, 0.03], 3, retry_rows=256, probe_rows=64, start_off=True)
+    for _ in range(40):  # 320 row-cycles off, past retry_rows, with nothing left to refill the batch
+        _cycle(c, rows=8, accepted=0, drafted=0)
+        assert c.choose(draining=True) == 0
+    assert c.choose() > 0 and c.probing  # rows wait again: the probe that was due
+
+
 def test_a_speculating_controller_keeps_on_while_a_depth_still_beats_plain_and_needs_the_margin_to_go_on():
     # Depth 1 only, cycle 14 against a step of 10: it is predicted to pay
     # (1 + a) x 10 / 14, i.e. 1.05 (SPECULATION_MARGIN) at a = 0.47 and
@@ -163,8 +172,10 @@ class _Scripted:
         self.depths = list(depths)
         self.i = 0
         self.seen = 0
+        self.draining = []  # what the runtime said at each choice
 
-    def choose(self):
+    def choose(self, draining=False):
+        self.draining.append(draining)
         k = self.depths[self.i % len(self.depths)]
         self.i += 1
         return k
@@ -208,6 +219,16 @@ def test_switching_speculation_off_mid_job_keeps_greedy_output_exact(predictable
     got = rt.generate(prompts, max_tokens=12)
     assert [c.tokens for c in got] == [c.tokens for c in plain]
     assert rt.auto.record["cycles_by_depth"]["0"] > 0
+
+
+def test_the_runtime_tells_the_controller_whether_anything_waits_to_refill_the_batch(predictable_qwen):
+    rt = _with_scripted_auto(predictable_qwen, [0], max_batch=2)
+    rt.generate([[3, 4, 5], [7, 8, 9]], max_tokens=5)  # one batch: nothing waits from the first cycle
+    assert rt.auto.controller.draining[0] is True
+    rt.auto.controller.draining.clear()
+    rt.generate([[3, 4, 5], [7, 8, 9], [5, 6], [9, 10, 11]], max_tokens=5)  # two wait at first
+    flags = rt.auto.controller.draining
+    assert flags[0] is False and True in flags
 
 
 def test_coupled_sampling_under_a_moving_depth_equals_plain_keyed_sampling(predictable_qwen):
@@ -390,7 +411,7 @@ def _plant_calibration(monkeypatch, cycle_s: dict):
     monkeypatch.setattr(autodepth, "measure_cycle_costs", lambda model, batch_size, **k: CycleCosts(batch_size, cycle_s))
 
 
-def test_greedy_rows_start_speculating_on_any_predicted_gain_while_a_job_depth_needs_the_margin(monkeypatch):
+def test_greedy_rows_keep_a_controller_on_any_predicted_gain_and_start_speculating_past_the_margin(monkeypatch):
     import types
 
     import mtplx.autodepth as autodepth
@@ -398,14 +419,17 @@ def test_greedy_rows_start_speculating_on_any_predicted_gain_while_a_job_depth_n
     _plant_calibration(monkeypatch, {0: 10.0, 1: 14.0})
     model = types.SimpleNamespace(head=object())
     contract = MTPContract(depth="auto", max_depth_auto=1)
-    for prior, greedy_on in ((0.44, True), (0.36, False)):  # depth 1: 1.44 x 10 / 14 = 1.03, 1.36 x 10 / 14 = 0.97
+    # depth 1 predicted 1.48 x 10 / 14 = 1.06, 1.44 x 10 / 14 = 1.03, 1.36 x 10 / 14 = 0.97
+    for prior, on in ((0.48, True), (0.44, False), (0.36, None)):
         monkeypatch.setattr(autodepth, "acceptance_prior", lambda model, depths, sampled=False: [prior])
         plan = autodepth.plan_auto_depth(model, contract, max_batch=4)
-        assert plan.job_depth == 0  # 1.03 does not clear SPECULATION_MARGIN for a depth fixed on a prior
-        if greedy_on:
-            assert plan.record["greedy_depth_at_start"] == 1 and plan.controller.choose() == 1
-        else:
+        assert plan.job_depth == (1 if on else 0)  # a depth fixed on a prior needs SPECULATION_MARGIN
+        if on is None:
             assert plan.controller is None and plan.max_depth == 0  # plain decoding, no head work
+        else:
+            assert plan.record["greedy_depth_at_start"] == (1 if on else 0)
+            assert plan.controller.choose() == (1 if on else 0)  # under the margin: off, probing later
+            assert plan.controller.off != on
 
 
 def test_a_job_depth_at_batch_1_is_the_fastest_predicted_while_larger_batches_keep_the_tolerance(monkeypatch):
