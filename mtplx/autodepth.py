@@ -26,10 +26,12 @@ depend on the depth each of its cycles used:
 - **adaptive**: when every row in the batch is greedy, or the job uses the
   coupled rule, output does not depend on the depth at all, so each cycle runs
   at the depth that the running acceptance (`DepthController`) predicts to be
-  fastest. It starts speculating where the greedy prior predicts any depth
-  to beat plain decoding; once the running acceptance predicts none does,
-  the controller switches speculation off, and tries it again later (a probe,
-  which stays on only if a depth then beats plain by the margin). Its cycles
+  fastest. It starts speculating where the greedy prior predicts a depth to
+  beat plain decoding by the margin (predicted to gain less, it starts off);
+  once the running acceptance predicts no gain, the controller switches
+  speculation off, and tries it again later (a probe, which stays on only if
+  a depth then beats plain by the margin; none starts while nothing waits to
+  refill a batch of several rows). Its cycles
   also measure what each depth costs (`cycle_timing.CycleTimes`, with short
   bursts at neighbouring depths), and those measurements replace the
   calibrated costs as they come in.
@@ -218,7 +220,8 @@ class DepthController:
     bad spell must not switch it off for good. Rows that lived through an off
     spell draft from a head history with gaps: that lowers their acceptance,
     never their output. `start_off`: begin with speculation off, as when the
-    prior is not predicted to pay; it then goes on at its first probe.
+    prior is not predicted to pay by the margin; it then goes on at its
+    first probe that pays.
 
     The cycle costs it predicts from start as calibrated. Told each cycle's
     launch (`launched`), it measures them as the job runs (`CycleTimes`),
