@@ -303,7 +303,7 @@ class MTPLXRuntime:
         if not batch.sampling.all_greedy and self.contract.acceptance == "residual":
             return auto.job_depth  # a residual-rule row's draws depend on the depth
         live = sum(r is not None for r in batch.rows)
-        return auto.controller.choose(draining=not waiting.pending and live > 1)
+        return auto.controller.choose(draining=live > 1 and waiting.drained())
 
     def _launch(self, batch: SlotBatch, in_flight: int, k: int) -> "_InFlight":
         t0 = time.perf_counter()
@@ -491,17 +491,20 @@ class _Samples:
     def __init__(self, requests: Iterator[Request]):
         self.requests = requests
         self.ready = deque()  # ("row", (pre, row, first)) or ("done", Completion)
-        self.ahead: Optional[Request] = None  # read ahead by `pending`
+        self.ahead: Optional[Request] = None  # read ahead by `drained`
         self.exhausted = False
 
     @property
     def pending(self) -> bool:
-        """Whether any row is still to come. Reads one request ahead when
-        none is ready, so a batch knows it is draining (nothing will refill
-        it) before a slot frees, not at the first refill that finds nothing."""
+        return bool(self.ready) or self.ahead is not None or not self.exhausted
+
+    def drained(self) -> bool:
+        """Whether no row is left to come. Reads one request ahead when none
+        is ready, so a batch knows that nothing will refill it before a slot
+        frees, not at the first refill that finds nothing."""
         if not self.ready and self.ahead is None and not self.exhausted:
             self.ahead = self._pull()
-        return bool(self.ready) or self.ahead is not None
+        return not self.pending
 
     def _pull(self) -> Optional[Request]:
         if self.ahead is not None:
