@@ -16,8 +16,9 @@ After one short warm-up of each, the runs go in rounds (`repeats` of them,
 times 8 // prompts per run when a run has fewer than 8 prompts: such
 short runs are the noisiest, and cheap to repeat):
 a round runs the baseline once, then MTPLX at every depth, in an order that
-rotates from round to round, so a slow spell does not land on one depth
-alone and every depth runs as often right after the baseline. Absolute times
+changes from round to round (`balanced_orders`), so a slow spell does not
+land on one depth alone, and every depth runs as often at each place in a
+round and right after each other engine. Absolute times
 on a shared machine drift, so the comparison is the median of the paired
 ratios (an engine run's tok/s / its round's baseline run's), with their min
 and max as the spread. One baseline run per round rather than one before
@@ -289,18 +290,51 @@ def run_rounds(reference, runtimes: Dict[Depth, object], batches: Sequence[List[
     for engine in engines.values():
         engine(batches[0], max_tokens=warmup)
     # Rounds go over every depth in turn, so a slow spell of the machine hits
-    # all depths alike instead of one depth's whole series; the order rotates.
+    # all depths alike instead of one depth's whole series; the order changes
+    # from round to round (balanced_orders).
     pairs: Dict[Depth, List[Tuple[Run, Run]]] = {d: [] for d in runtimes}
     base_runs: List[Run] = []
-    order = list(engines)
+    orders = balanced_orders(len(engines))
     for r in range(plan.rounds(B)):
         batch = batches[r % len(batches)]
         base = baseline(batch, max_tokens=plan.max_tokens)
         base_runs.append(base)
-        for d in order[r % len(order):] + order[: r % len(order)]:
+        depths = list(engines)
+        for i in orders[r % len(orders)]:
+            d = depths[i]
             pairs[d].append((base, engines[d](batch, max_tokens=plan.max_tokens)))
         between_rounds()
     return base_runs, pairs
+
+
+def balanced_orders(n: int) -> List[List[int]]:
+    """Orders of n engines, one per round, in which every engine runs at
+    every position and right after every other engine (or the baseline)
+    equally often: a Williams design, n orders for even n, 2n for odd n
+    (each order then followed by its reverse, so that five rounds of five
+    engines already give each engine four or five different predecessors).
+
+    A plain rotation keeps each engine's predecessor fixed (auto always ran
+    right after depth 3), and a run's speed can depend on the run before it.
+    With a second runtime of one fixed depth in auto's place, rounds of
+    depths 0-3 and that twin measured the twin, against the same depth, at
+    0.950 [0.898, 1.077] (batch 4, 14 rounds), 0.972 [0.938, 0.998] and
+    0.990 [0.976, 1.007] (batch 1, 80 and 128 rounds): up to a few percent
+    that auto's figure carried and no engine's own speed explains."""
+    if n < 2:
+        return [list(range(n))]
+    first, low, high = [0], 1, n - 1
+    for j in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        if j % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    square = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2 == 0:
+        return square
+    return [order for row in square for order in (row, row[::-1])]
 
 
 def setting_records(runtimes: Dict[Depth, object], B: int, t: float, base_runs: List[Run],

@@ -4,6 +4,7 @@ formulas, the records' schema and the table. No test asserts a speed."""
 import json
 import statistics
 import sys
+from collections import Counter
 
 import pytest
 
@@ -267,7 +268,7 @@ class _FakeRuntime:
         self.stats = {}
 
 
-def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_then_bare_costs(monkeypatch):
+def test_rounds_run_the_baseline_then_every_depth_in_a_changing_order_then_bare_costs(monkeypatch):
     calls = []
     speeds = iter([50, 60, 100, 10, 130, 12, 5, 6, 7])  # tok/s of successive timed calls
 
@@ -294,7 +295,7 @@ def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_then_bare_
     assert calls == [
         ("mlx_lm", 4, 1), (0, 4, 1), (1, 4, 1),  # warm-up on the first round's prompts
         ("mlx_lm", 8, 1), (0, 8, 1), (1, 8, 1), "bare",  # round 1, then a round of bare costs
-        ("mlx_lm", 8, 3), (1, 8, 3), (0, 8, 3), "bare",  # round 2: its own prompts, the order rotates
+        ("mlx_lm", 8, 3), (1, 8, 3), (0, 8, 3), "bare",  # round 2: its own prompts, the order changes
     ]
     base, d0, d1 = recs
     assert base["engine"] == "mlx_lm" and base["runs"] == 2
@@ -304,6 +305,25 @@ def test_rounds_run_the_baseline_then_every_depth_in_a_rotating_order_then_bare_
     assert d1["paired_ratios"] == pytest.approx([100 / 50, 130 / 10])
     assert d0["run_tokens_per_s"] == pytest.approx([60, 12]) and d1["run_tokens_per_s"] == pytest.approx([100, 130])
     assert d1["measured_speedup"] == pytest.approx(statistics.median([100 / 60, 130 / 12]))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_balanced_orders_put_every_engine_at_every_place_and_after_every_other_equally_often(n):
+    orders = bench.balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 else 2 * n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    places = Counter((p, e) for o in orders for p, e in enumerate(o))
+    after = Counter(pair for o in orders for pair in zip([None] + o, o))  # None: the round's baseline
+    assert set(places.values()) == {len(orders) // n} and len(places) == n * n
+    assert set(after.values()) == {len(orders) // n} and len(after) == n * n  # (n-1) engines + the baseline each
+
+
+def test_five_rounds_of_the_bench_give_each_of_five_engines_four_or_more_predecessors():
+    # make bench: depths 0-3 and auto, five rounds at batch 4 and 16; a
+    # rotation gave each engine one predecessor besides the baseline
+    orders = bench.balanced_orders(5)[:5]
+    before = {e: {p for o in orders for p, x in zip([None] + o, o) if x == e} for e in range(5)}
+    assert all(len(ps) >= 4 for ps in before.values())
 
 
 def test_bare_cost_sampler_pools_every_round_and_anchors_to_the_fastest_step(tiny_model):
