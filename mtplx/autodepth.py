@@ -126,6 +126,20 @@ KEEP_SPECULATING_ABOVE = 1.0
 # batch 1 greedy, where it ran 0.998 once it stayed put.
 DEPTH_TOLERANCE = 1.05
 
+# Once deeper than the shallowest depth within DEPTH_TOLERANCE, a running
+# controller stays there only while it is predicted at least this much faster
+# than that depth: a near tie goes back to the shallower one, and the gap
+# between the 5% it takes to go deeper and the 2% it takes to stay keeps it
+# from crossing back and forth. Held within the whole tolerance, as before,
+# a controller at batch 1 greedy ran depth 3 in a third of its cycles in two
+# of three `make bench` runs (2026-11-30), where depth 3 measured 0.975 of
+# depth 2, and auto came out at 0.926 and 0.938 of depth 2: calibration had
+# scored the two within 1% (1.548 / 1.537, 1.294 / 1.299), so once at depth
+# 3 nothing moved it back. Ties are mispriced either way there: in the next
+# run it went to depth 1 (588, 524 and 198 cycles at depths 1, 2 and 3;
+# depth 1 measured 0.95 of depth 2) and came out at 0.971 of depth 2.
+HOLD_DEEPER = 1.02
+
 # A job depth at batch size 1 is the depth predicted fastest. Of the reasons
 # for DEPTH_TOLERANCE only the deeper depth's extra keyed draws apply to one
 # row at one fixed depth: no rows finish unevenly, nothing changes depth, and
@@ -258,6 +272,7 @@ class DepthController:
         self._explore_turn = 0
         self._plain_bursts = 0  # bursts at plain decoding run to decide going off
         self._current = 0  # the depth chosen last outside a burst
+        self.hold_deeper = HOLD_DEEPER
 
     def launched(self, depth: int, t: float, clean: bool) -> None:
         """The runtime launched a cycle at `depth` at time `t` (seconds);
@@ -297,8 +312,11 @@ class DepthController:
         costs = self.timing.costs() if self.timed else self.costs
         scores = {k: predicted_speedup(costs, acc, k) for k in range(1, self.max_depth + 1)}
         best = fastest_depth(scores)
-        if self._current in scores and scores[self._current] * DEPTH_TOLERANCE >= scores[best]:
-            best = self._current  # changing depth costs a slow cycle or two: only for a clear gain
+        current = self._current
+        if current in scores and current < best and scores[current] * DEPTH_TOLERANCE >= scores[best]:
+            best = current  # changing depth costs a slow cycle or two: go deeper only for a clear gain
+        elif current in scores and current > best and scores[current] >= scores[best] * self.hold_deeper:
+            best = current  # a deeper depth is kept only while it stays clearly ahead
         pays = max(scores.values()) >= SPECULATION_MARGIN
         keeps = pays if self.probing else max(scores.values()) >= KEEP_SPECULATING_ABOVE
         going_off = not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows)

@@ -6,7 +6,7 @@ import pytest
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
-from mtplx.autodepth import DEPTH_TOLERANCE, best_depth
+from mtplx.autodepth import DEPTH_TOLERANCE, HOLD_DEEPER, best_depth
 from mtplx.costs import BareCosts, CycleCosts, ideal_tokens_per_cycle, predicted_speedup
 from mtplx.testing import tiny_checkpoint
 
@@ -596,22 +596,28 @@ def test_a_timed_controller_whose_cycles_are_never_clean_goes_off_on_calibration
     assert 64 <= cycles <= 64 + (MEASURE_PLAIN_BURSTS + 1) * 3 * EXPLORE_CYCLES
 
 
-def test_a_controller_changes_depth_only_for_a_gain_past_the_tolerance():
-    # d_1 is always accepted: depth 1 scores 2 x 10 / 12 = 1.667, depth 2
-    # (2 + q) x 10 / 14 with q the rate d_2 is accepted at.
+def test_a_controller_goes_deeper_only_for_a_clear_gain_and_stays_deeper_only_while_clearly_ahead():
+    # d_1 is always accepted: depth 1 scores 2 x 10 / 12, depth 2
+    # (2 + q) x 10 / 14 with q the rate d_2 is accepted at, so depth 2 over
+    # depth 1 is (2 + q) x 3 / 7. Observed exactly, in cycles of 1000 rows.
     costs = CycleCosts(1, {0: 10.0, 1: 12.0, 2: 14.0})
 
     def observed(c, q):
-        rng = np.random.default_rng(0)
-        for _ in range(200):
-            c.observe(1 + (rng.random(8) < q).astype(np.int64), np.full(8, 2))
+        m = round(q * 1000)
+        for _ in range(20):
+            c.observe(np.array([2] * m + [1] * (1000 - m)), np.full(1000, 2))
 
-    at2 = DepthController(costs, [0.8, 0.64], 2, prior_weight=1.0)
-    assert at2.choose() == 2
-    fresh = DepthController(costs, [0.8, 0.64], 2, prior_weight=1.0)
-    for c in (at2, fresh):
-        observed(c, 0.265)  # depth 1 now predicted about 3% faster than depth 2
-    assert fresh.choose() == 1  # from nowhere, the faster one
-    assert at2.choose() == 2  # from depth 2, not worth a change (DEPTH_TOLERANCE)
-    observed(at2, 0.12)  # about 10% faster
-    assert at2.choose() == 1
+    c = DepthController(costs, [0.8, 0.64], 2, prior_weight=1.0)
+    steps = [
+        (0.265, 1),  # depth 2 at 0.971 of depth 1: depth 1
+        (0.40, 1),  # depth 2 1.029x ahead: not past DEPTH_TOLERANCE, stays at 1
+        (0.60, 2),  # 1.114x ahead: goes deeper
+        (0.40, 2),  # 1.029x ahead: still past HOLD_DEEPER, stays at 2
+        (0.36, 1),  # 1.011x ahead: a near tie goes back to the shallower depth
+        (0.20, 1),  # depth 1 clearly faster: stays there
+    ]
+    for q, depth in steps:
+        observed(c, q)
+        assert c.choose() == depth, (q, c.acceptance())
+    assert 1.0 < HOLD_DEEPER < (2 + 0.40) * 3 / 7 < DEPTH_TOLERANCE
+    assert 1.0 < (2 + 0.36) * 3 / 7 < HOLD_DEEPER
