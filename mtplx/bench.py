@@ -294,14 +294,12 @@ def run_rounds(reference, runtimes: Dict[Depth, object], batches: Sequence[List[
     # from round to round (balanced_orders).
     pairs: Dict[Depth, List[Tuple[Run, Run]]] = {d: [] for d in runtimes}
     base_runs: List[Run] = []
-    orders = balanced_orders(len(engines))
+    depths, orders = list(engines), balanced_orders(len(engines))
     for r in range(plan.rounds(B)):
         batch = batches[r % len(batches)]
         base = baseline(batch, max_tokens=plan.max_tokens)
         base_runs.append(base)
-        depths = list(engines)
-        for i in orders[r % len(orders)]:
-            d = depths[i]
+        for d in (depths[i] for i in orders[r % len(orders)]):
             pairs[d].append((base, engines[d](batch, max_tokens=plan.max_tokens)))
         between_rounds()
     return base_runs, pairs
