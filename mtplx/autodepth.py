@@ -272,7 +272,6 @@ class DepthController:
         self._explore_turn = 0
         self._plain_bursts = 0  # bursts at plain decoding run to decide going off
         self._current = 0  # the depth chosen last outside a burst
-        self.hold_deeper = HOLD_DEEPER
 
     def launched(self, depth: int, t: float, clean: bool) -> None:
         """The runtime launched a cycle at `depth` at time `t` (seconds);
@@ -315,7 +314,7 @@ class DepthController:
         current = self._current
         if current in scores and current < best and scores[current] * DEPTH_TOLERANCE >= scores[best]:
             best = current  # changing depth costs a slow cycle or two: go deeper only for a clear gain
-        elif current in scores and current > best and scores[current] >= scores[best] * self.hold_deeper:
+        elif current in scores and current > best and scores[current] >= scores[best] * HOLD_DEEPER:
             best = current  # a deeper depth is kept only while it stays clearly ahead
         pays = max(scores.values()) >= SPECULATION_MARGIN
         keeps = pays if self.probing else max(scores.values()) >= KEEP_SPECULATING_ABOVE
