@@ -312,8 +312,9 @@ def balanced_orders(n: int) -> List[List[int]]:
     (each order then followed by its reverse, so that five rounds of five
     engines already give each engine four or five different predecessors).
 
-    A plain rotation keeps each engine's predecessor fixed (auto always ran
-    right after depth 3), and a run's speed can depend on the run before it.
+    A plain rotation keeps each engine's predecessor fixed (auto ran right
+    after depth 3 unless it opened the round), and a run's speed can depend
+    on the run before it.
     With a second runtime of one fixed depth in auto's place, rounds of
     depths 0-3 and that twin measured the twin, against the same depth, at
     0.950 [0.898, 1.077] (batch 4, 14 rounds), 0.972 [0.938, 0.998] and
