@@ -314,13 +314,13 @@ def balanced_orders(n: int) -> List[List[int]]:
 
     A plain rotation keeps each engine's predecessor fixed (auto ran right
     after depth 3 unless it opened the round), and a run's speed can depend
-    on the run before it.
-    With a second runtime of one fixed depth in auto's place, rounds of
-    depths 0-3 and that twin measured the twin, against the same depth, at
-    0.950 [0.898, 1.077] (batch 4, 14 rounds), 0.972 [0.938, 0.998] and
-    0.990 [0.976, 1.007] (batch 1, 80 and 128 rounds): up to a few percent
-    that auto's figure carried and no engine's own speed explains. In these
-    orders the batch-1 twin measured 0.996 [0.980, 1.016] (128 rounds)."""
+    on the run before it. With a second runtime of one fixed depth in auto's
+    place, rounds of depths 0-3 and that twin measured the twin, against the
+    same depth, at 0.950 [0.898, 1.077] (batch 4, 14 rounds), 0.972 [0.938,
+    0.998] and 0.990 [0.976, 1.007] (batch 1, 80 and 128 rounds): up to a few
+    percent that auto's figure carried and no engine's own speed explains.
+    In these orders the batch-1 twin measured 0.996 [0.980, 1.016] (128
+    rounds)."""
     if n < 2:
         return [list(range(n))]
     first, low, high = [0], 1, n - 1
