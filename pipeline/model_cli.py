@@ -111,7 +111,8 @@ def _listed(values) -> str:
 @click.option("--max-prompt-tokens", type=int, default=QUICK["max_prompt_tokens"], show_default=True,
               help="Keep each prompt's last N tokens.")
 @click.option("--repeats", type=int, default=QUICK["repeats"], show_default=True,
-              help="Rounds per setting; each runs mlx-lm once, then every depth (the order rotates). "
+              help="Rounds per setting; each runs mlx-lm once, then every depth, in an order that changes "
+                   "from round to round so that each depth runs as often in each place and after each other. "
                    "Runs of fewer than 8 prompts get 8 // prompts times as many.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--output", type=click.Path(), default="bench.json", show_default=True, help="Where the JSON records go.")
