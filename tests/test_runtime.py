@@ -8,6 +8,7 @@ from mlx_lm.generate import generate_step
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
+from mtplx.completion import Request
 from mtplx.sampling import SamplingParams
 from mtplx.testing import tiny_checkpoint
 
@@ -111,6 +112,25 @@ def test_refill_gives_each_prompt_what_it_gets_alone(models):
     ties = []
     for p, out, ref in zip(prompts, batched, alone):
         assert_same_up_to_ties(model, p, out.tokens, ref, ties)
+
+
+def test_a_slot_freed_alone_is_refilled_from_a_prefill_of_a_whole_batch(models):
+    """Rows that finish one at a time are replaced by rows prefilled a batch
+    at a time (the rest wait, prefilled), with the tokens each prompt gets
+    alone."""
+    model = models["qwen3_5"]
+    prompts = _prompts(12, seed=5, lengths=(6,))
+    rt = MTPLXRuntime(model, MTPContract(depth=2), max_batch=4)
+    groups = []
+    prepare = rt.prepare
+    rt.prepare = lambda batch, seed: groups.append(len(batch)) or prepare(batch, seed)
+    requests = [Request(index=i, prompt=p, max_tokens=3 + 2 * i) for i, p in enumerate(prompts)]  # finish apart
+    list(rt.stream(requests))
+    assert groups == [4, 4, 4]
+    alone = MTPLXRuntime(model, MTPContract(depth=2), max_batch=1)
+    outs = {c.index: c.tokens for c in rt.stream(requests)}
+    for r in requests:
+        assert outs[r.index] == alone.generate([r.prompt], max_tokens=r.max_tokens)[0].tokens
 
 
 def test_poisoned_row_errors_and_its_slot_serves_the_next_prompt_exactly(tmp_path):
