@@ -492,12 +492,12 @@ class _Samples:
     it wait, prefilled, for the next slots to free. A speculating batch's
     rows finish one at a time, and prefilling each alone cost more per row
     and came between cycles 4x as often: at batch 4 (32 prompts streamed,
-    64 new tokens) one row alone took 34 ms to prefill where four together
-    took 28 ms each, and a whole batch per group ran depth 1 at 1.07x
-    [1.01, 1.11], depth 2 at 1.06x [1.02, 1.11] the tokens/s of a group per
-    free slot (20 paired rounds, same tokens; prefill 808 ms a run against
-    998 and 969). The rows waiting hold at most one group's prefill state,
-    which the token budget bounds."""
+    64 new tokens) a whole batch per group ran depth 1 at 1.07x [1.01, 1.11]
+    and depth 2 at 1.06x [1.02, 1.11] the tokens/s of a group per free slot
+    (20 paired rounds, same tokens), prefilling 25 ms a row where one row at
+    a time took 31 and 30 (808 ms a run against 998 and 969). The rows
+    waiting hold at most one group's prefill state, which the token budget
+    bounds."""
 
     def __init__(self, requests: Iterator[Request]):
         self.requests = requests

@@ -129,8 +129,9 @@ def test_a_slot_freed_alone_is_refilled_from_a_prefill_of_a_whole_batch(models):
     assert groups == [4, 4, 4]
     alone = MTPLXRuntime(model, MTPContract(depth=2), max_batch=1)
     outs = {c.index: c.tokens for c in rt.stream(requests)}
+    ties = []
     for r in requests:
-        assert outs[r.index] == alone.generate([r.prompt], max_tokens=r.max_tokens)[0].tokens
+        assert_same_up_to_ties(model, r.prompt, outs[r.index], alone.generate([r.prompt], max_tokens=r.max_tokens)[0].tokens, ties)
 
 
 def test_poisoned_row_errors_and_its_slot_serves_the_next_prompt_exactly(tmp_path):
