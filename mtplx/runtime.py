@@ -201,7 +201,7 @@ class MTPLXRuntime:
     def _refill(self, batch: SlotBatch, waiting: "_Samples", seed: int, in_flight: int) -> Iterator[Completion]:
         for b in batch.free_slots():
             while batch.rows[b] is None and waiting.pending:
-                item = waiting.next(self, seed, want=len(batch.free_slots()))
+                item = waiting.next(self, seed)
                 if item is None:
                     break
                 kind, payload = item
@@ -525,9 +525,9 @@ class _Samples:
         self.exhausted = req is None
         return req
 
-    def next(self, rt: MTPLXRuntime, seed: int, want: int):
+    def next(self, rt: MTPLXRuntime, seed: int):
         if not self.ready:
-            self._prepare_group(rt, seed, max(want, rt.max_batch))
+            self._prepare_group(rt, seed, want=rt.max_batch)
         return self.ready.popleft() if self.ready else None
 
     def _prepare_group(self, rt: MTPLXRuntime, seed: int, want: int):
