@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from .bench_requirements import requirement_lines
+from .bench_requirements import decode_over_predicted, requirement_lines
 
 COLUMNS = (
     # (title, width, how to show a record)
@@ -45,7 +45,8 @@ def format_table(records: Sequence[dict]) -> str:
         "vs mlx-lm: median of paired ratios (engine tok/s / the mlx-lm run of its round) [min, max of them]; "
         "decode vs: the same outside prompt processing; prefill: its share of the wall time.",
         "ideal: 1 + accepted drafts per cycle; pred: ideal x step / (verify + k head), from the bare costs; "
-        "meas / meas dec: tok/s over MTPLX depth 0, wall / decode only; dec/pred: meas dec / pred; "
+        "meas / meas dec: tok/s over MTPLX depth 0, wall / decode only; "
+        "dec/pred: a round's meas dec over its own pred (from its own acceptance), median over rounds; "
         "rows/cyc: rows decoded per cycle (B while the batch is full); auto=k: the depth most of auto's cycles ran at; "
         "auto/best: auto's run over the run of its round at the fixed depth best on the other rounds "
         "(named: the best on all rounds), median.",
@@ -184,8 +185,8 @@ def _rates(rates: Optional[Sequence[Optional[float]]]) -> str:
 def _efficiency(r: dict) -> Optional[float]:
     """Measured decode speed-up over the predicted one: how much of the gain
     the acceptance and bare costs allow the runtime delivers."""
-    pred, meas = r.get("predicted_speedup"), r.get("measured_decode_speedup")
-    return meas / pred if pred and meas is not None else None
+    share = decode_over_predicted(r)
+    return None if share is None else share[0]
 
 
 def _ms(seconds: Optional[float]) -> Optional[float]:

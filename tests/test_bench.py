@@ -107,6 +107,25 @@ def test_measured_speedup_is_the_median_of_each_rounds_depth_over_depth_zero():
     assert recs[1]["measured_decode_speedup"] == pytest.approx(2.5)  # median of 1.5, 3.0, 2.5
 
 
+def test_decode_over_predicted_divides_each_rounds_speedup_by_that_rounds_own_prediction():
+    recs = [
+        {"depth": 0, "run_tokens_per_s": [1.0] * 3, "run_decode_tokens_per_s": [100.0, 100.0, 100.0],
+         "run_predicted_speedups": [1.0] * 3},
+        # Round speed-ups 1.2, 1.8, 1.35 against their own predictions 1.25, 2.0, 1.5: shares 0.96, 0.9, 0.9.
+        {"depth": 2, "run_tokens_per_s": [1.0] * 3, "run_decode_tokens_per_s": [120.0, 180.0, 135.0],
+         "run_predicted_speedups": [1.25, 2.0, 1.5], "predicted_speedup": 1.5},
+    ]
+    add_measured_speedups(recs)
+    assert "decode_over_predicted" not in recs[0]
+    assert recs[1]["decode_over_predicted"] == pytest.approx(0.9)
+    # Against the pooled prediction the median round (1.35 / 1.5) says the same only by chance:
+    assert recs[1]["measured_decode_speedup"] / recs[1]["predicted_speedup"] == pytest.approx(0.9)
+    recs[1]["run_predicted_speedups"] = [1.25, 1.2, 1.5]  # a round of easy prompts no longer looks slow
+    add_measured_speedups(recs)
+    assert recs[1]["decode_over_predicted"] == pytest.approx(0.96)
+    assert recs[1]["decode_over_predicted_ci"] is None  # 3 rounds: too few for a 90% interval
+
+
 def test_auto_vs_best_pairs_each_round_with_the_depth_best_on_the_other_rounds():
     base = [100.0, 100.0, 100.0, 100.0]  # mlx-lm's run of each round
     runs = {
@@ -187,6 +206,10 @@ def test_requirements_check_depth0_decode_over_predicted_at_batch_1_and_4_and_au
     table = "\n".join(requirement_lines(records))
     assert "decode speed-up >= 0.9 of predicted at batch 1, 4: 0 of 1 met" in table
     assert "B=4 T=0 depth 2: 0.833 [0.750, 0.883] (missed)" in table
+    # A record with each round's share of its own prediction is judged by that.
+    records[2].update(decode_over_predicted=0.93, decode_over_predicted_ci=[0.85, 0.97])
+    [cell] = check_requirements(records)[1].cells
+    assert (cell.value, cell.ci, cell.status) == (0.93, [0.85, 0.97], "met")
 
 
 def test_take_prompts_takes_n_from_a_start_cycling_a_small_pool():
@@ -427,10 +450,21 @@ def test_tiny_run_mtplx_records_follow_the_schema_and_formulas(tiny_records):
         assert r["predicted_speedup"] == pytest.approx(r["ideal_tokens_per_cycle"] * c["step_s"] / cycle)
         assert r["ideal_tokens_per_cycle"] >= 1.0
         assert 0 < r["rows_per_cycle"] <= r["batch_size"]  # batch 2 runs 2 prompts at once
+        assert len(r["run_predicted_speedups"]) == r["runs"]
         if r["depth"] == 0:
             assert r["measured_speedup"] == pytest.approx(1.0)
+            assert all(p == pytest.approx(1.0) for p in r["run_predicted_speedups"])
+        else:
+            assert r["decode_over_predicted"] == pytest.approx(
+                statistics.median(m / p for m, p in zip(_round_decode_speedups(tiny_records, r), r["run_predicted_speedups"])))
         if r["depth"] == "auto":
             assert r["best_fixed_depth"] != "auto" and r["auto_vs_best"] > 0
+
+
+def _round_decode_speedups(records, r):
+    plain = next(p for p in records if p["engine"] == "mtplx" and p["depth"] == 0
+                 and (p["batch_size"], p["temperature"]) == (r["batch_size"], r["temperature"]))
+    return [e / b for b, e in zip(plain["run_decode_tokens_per_s"], r["run_decode_tokens_per_s"])]
 
 
 def test_tiny_run_auto_records_count_only_their_own_timed_cycles(tiny_records):
