@@ -419,14 +419,14 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
         by_depth = {k: sum(e.cycles_by_depth.get(k, 0) for e in engine_runs) for k in auto["cycles_by_depth"]}
         auto = {**copy.deepcopy(auto), "cycles_by_depth": by_depth}
     # Under "auto" cycles may run at several depths: the prediction uses their mix.
-    mix = {int(k): n for k, n in auto["cycles_by_depth"].items() if n} if auto else {rt.depth: 1}
+    mix = _depth_mix(auto["cycles_by_depth"] if auto else None, rt.depth)
     # Each round's own prediction, from its own prompts' acceptance: at batch 1
     # a round is one prompt, whose acceptance alone moved the prediction over
     # 1.18-1.76 in 40 rounds at depth 3, so a round's speed-up is only
     # comparable with its own prediction (`add_measured_speedups`).
     run_predicted = [
         predicted_from_ideal(costs, acceptance_summary(e.completions, rt.depth)["ideal_tokens_per_cycle"],
-                             _run_mix(e, rt.depth) if auto else rt.depth)
+                             _depth_mix(e.cycles_by_depth, rt.depth))
         for e in engine_runs
     ]
     rec = {
@@ -442,7 +442,7 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
             paired_ratios([(b.decode_tokens_per_s, e.decode_tokens_per_s) for b, e in pairs])
         ),
         **acc,
-        "predicted_speedup": predicted_from_ideal(costs, acc["ideal_tokens_per_cycle"], mix or {0: 1}),
+        "predicted_speedup": predicted_from_ideal(costs, acc["ideal_tokens_per_cycle"], mix),
         "run_predicted_speedups": run_predicted,  # in round order
         "measured_speedup": None,  # both filled once depth 0 is known
         "measured_decode_speedup": None,
@@ -454,9 +454,10 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
     return rec
 
 
-def _run_mix(run: Run, depth: int) -> dict:
-    """The depths one "auto" run's cycles ran at, {k: cycles}."""
-    mix = {int(k): n for k, n in (run.cycles_by_depth or {}).items() if n}
+def _depth_mix(cycles_by_depth: Optional[Dict[str, int]], depth: int) -> Dict[int, int]:
+    """{k: cycles} of the depths an "auto" engine's cycles ran at, or {depth: 1}
+    for a fixed depth (and for auto runs without cycles)."""
+    mix = {int(k): n for k, n in (cycles_by_depth or {}).items() if n}
     return mix or {depth: 1}
 
 
