@@ -2,8 +2,9 @@
 
 Every row of a decode batch owns one slot. A slot's valid length moves on its
 own, so rolling back rejected draft entries is `lengths -= k - a_b`: nothing
-moves in memory. Entries past a row's length are masked, and a slot is zeroed
-when its row leaves (a NaN in a masked V entry still poisons attention).
+moves in memory. Entries past a row's length are masked, new entries are
+stored with non-finite values as 0, and a slot is zeroed when its row leaves:
+a NaN in a masked V entry would still poison attention (0 x NaN).
 
 `SlotKVCache` implements the cache protocol mlx-lm's attention layers call
 (`offset`, `update_and_fetch`, `make_mask`), so no model file is forked.
@@ -49,6 +50,10 @@ def put_rows(full: mx.array, rows: Sequence[int], values: Union[mx.array, float]
     return full
 
 
+def _finite_or_zero(x: mx.array) -> mx.array:
+    return mx.where(mx.isfinite(x), x, mx.zeros((), dtype=x.dtype))
+
+
 class SlotKVCache:
     """Attention KV with a write position per row.
 
@@ -80,6 +85,14 @@ class SlotKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, T, _ = keys.shape  # [B, H, T, Dk]
+        # Entries past a row's length are masked, but attention multiplies
+        # their values by a weight of exactly 0, and 0 x NaN is NaN: a
+        # rejected draft whose forward went non-finite would poison the
+        # positions before it in its own verify and every later read of the
+        # slot. Stored as 0 instead, they stay harmless; an entry the row
+        # keeps carries its non-finite hidden state on the residual stream,
+        # so that position's logits still flag the row (mtplx.decide).
+        keys, values = _finite_or_zero(keys), _finite_or_zero(values)
         self._reserve(self.host_max + T, keys, values)
         idx = self.lengths[:, None] + mx.arange(T)[None, :]  # [B, T]
         idx = idx[:, None, :, None]  # [B, 1, T, 1]

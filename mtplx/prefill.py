@@ -1,8 +1,8 @@
 """Prefill prompts: the trunk over each prompt, in chunks, and the head over
 the prompt's pairs, so the head's history is complete before the first draft.
 
-Prompts are prefilled together, right-padded to the longest. Right padding is
-exact for both layer kinds: a row's queries only look back, and mlx-lm's
+Prompts are prefilled together, right-padded to the longest (each with its
+own last token). Right padding is exact for both layer kinds: a row's queries only look back, and mlx-lm's
 gated-delta layer freezes its state (and conv window) past each row's
 `lengths`. Each row's caches are then cut to its own length.
 """
@@ -39,7 +39,11 @@ class Prefilled:
 def prefill_batch(model, prompts: List[List[int]], chunk: int, with_head: bool) -> List[Prefilled]:
     lengths = [len(p) for p in prompts]
     L = max(lengths)
-    tokens = mx.array([p + [0] * (L - len(p)) for p in prompts], dtype=mx.int32)  # [B, L]
+    # A row is padded with its own last token: whatever the pad computes is
+    # discarded, but a pad whose forward is non-finite would still poison
+    # the row's real positions (0 x NaN in masked attention and in the
+    # chunk-wise gated delta), and this token would have poisoned it anyway.
+    tokens = mx.array([p + p[-1:] * (L - len(p)) for p in prompts], dtype=mx.int32)  # [B, L]
     cache = model.make_cache()
     for c in cache:
         if hasattr(c, "lengths"):  # gated-delta: freeze past each row's end

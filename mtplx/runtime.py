@@ -389,14 +389,19 @@ class MTPLXRuntime:
         row.steps += 1
         row.drafted[:nv] += 1
         row.accepted[:a] += 1
-        if bad:
-            return self._complete(row, "error", f"non-finite logits at completion position {len(row.tokens)}")
-        new = [int(t) for t in ids[: a + 1]]
+        # When the decided position's logits are non-finite, the drafts
+        # accepted before it still stand: one of them may end the row (an
+        # end-of-sequence token, a stop string, max_tokens), and then plain
+        # decoding would never have computed that position.
+        new = [int(t) for t in ids[: a if bad else a + 1]]
         if lp is not None and row.logprobs is not None:
-            row.logprobs.extend(float(x) for x in lp[: a + 1])
+            row.logprobs.extend(float(x) for x in lp[: len(new)])
         row.tokens.extend(new)
         self.stats["decode_tokens"] += len(new)
-        return self._finish_if_done(row, new)
+        done = self._finish_if_done(row, new)
+        if done is None and bad:
+            return self._complete(row, "error", f"non-finite logits at completion position {len(row.tokens)}")
+        return done
 
     def _finish_if_done(self, row: Row, new: List[int]) -> Optional[Completion]:
         """Apply EOS / stop ids / stop strings / max_tokens to a row's new tokens."""

@@ -159,6 +159,59 @@ def test_poisoned_row_errors_and_its_slot_serves_the_next_prompt_exactly(tmp_pat
         assert out.tokens == ref
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+@pytest.mark.parametrize("poisoned", ["a drafted token", "end of sequence"])
+def test_drafts_of_a_non_finite_token_leave_every_row_as_plain_decoding_gives_it(tmp_path, family, poisoned):
+    """Feeding one token makes the trunk's forward NaN (its embedding row is).
+    A rejected draft of it must not poison the positions before it in its
+    verify (0 x NaN in masked attention) or the slot's later reads; an
+    accepted end-of-sequence draft ends its row before the NaN position
+    matters, as plain decoding never computes it."""
+    path = tiny_checkpoint(family, tmp_path / "m", vocab_size=VOCAB)
+    model = make_predictable(mtplx.load(path))
+    prompts = _prompts(16, seed=5)
+
+    def run(depth):
+        rt = MTPLXRuntime(model, MTPContract(depth=depth), max_batch=4)
+        drafted, draft = [], rt._draft
+        rt._draft = lambda *a: (lambda out: drafted.append(np.array(out[0])) or out)(draft(*a))
+        return rt.generate(prompts, max_tokens=16), set(np.concatenate([d.ravel() for d in drafted] or [[]]).tolist())
+
+    before, drafted = run(3)
+    if poisoned == "end of sequence":
+        poison = min(model.eos_token_ids)
+        assert sum(o.finish_reason == "stop" for o in before) >= 2, "fixture: too few rows end on end of sequence"
+    else:  # drafted, and in as few prompts and completions as possible
+        held = [t for o in before for t in o.tokens] + [t for p in prompts for t in set(p)]
+        poison = min(sorted(drafted - set(model.eos_token_ids)), key=held.count)
+    assert poison in drafted
+    emb = model.text_model.embed_tokens
+    emb.weight = mx.where(mx.arange(VOCAB)[:, None] == poison, mx.nan, emb.weight)
+    plain, _ = run(0)
+    spec, _ = run(3)
+    assert sum(o.finish_reason != "error" for o in plain) >= 4
+    for o, p in zip(spec, plain):  # rows that emit it error where plain decoding does
+        assert (o.finish_reason, o.tokens, o.error) == (p.finish_reason, p.tokens, p.error)
+
+
+@pytest.mark.parametrize("poison", [0, VOCAB - 1])
+def test_a_non_finite_token_no_prompt_holds_leaves_prompts_prefilled_together_exact(tmp_path, poison):
+    """Prompts of different lengths are prefilled padded together; no pad
+    may be a token whose forward is non-finite (0 and the last id are the
+    usual pad choices), or the rows' real positions read 0 x NaN."""
+    path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=VOCAB)
+    model = make_predictable(mtplx.load(path))
+    prompts = [p for p in _prompts(12, seed=3, lengths=(3, 20, 9, 16)) if poison not in p]
+    before = MTPLXRuntime(model, MTPContract(depth=0), max_batch=8).generate(prompts, max_tokens=6)
+    emb = model.text_model.embed_tokens
+    emb.weight = mx.where(mx.arange(VOCAB)[:, None] == poison, mx.nan, emb.weight)
+    after = MTPLXRuntime(model, MTPContract(depth=0), max_batch=8).generate(prompts, max_tokens=6)
+    clean = [i for i, o in enumerate(before) if poison not in o.tokens]
+    assert len(clean) >= len(prompts) // 2
+    for i in clean:
+        assert (after[i].finish_reason, after[i].tokens) == (before[i].finish_reason, before[i].tokens)
+
+
 def test_metrics_follow_their_definitions(models):
     model = models["qwen3_next"]
     outs = MTPLXRuntime(model, MTPContract(depth=3), max_batch=4).generate(_prompts(8), max_tokens=15)
