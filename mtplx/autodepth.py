@@ -45,6 +45,7 @@ are in `runtime.stats["auto_depth"]` (and so in the job summary).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -418,6 +419,9 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile, bare=sampler,
                                 bare_rounds_between=BARE_ROUNDS_BETWEEN)
     bare = sampler.costs()
+    if not all(math.isfinite(costs.cycle_s(k)) for k in range(K + 1)):
+        return AutoDepth(0, 0, None, {"depth": 0, "reason": "calibration timed no decode cycle",
+                                      "policy": "plain decoding: calibration could not time a decode cycle"})
     job = best_depth(costs, sampled, K, margin=SPECULATION_MARGIN,
                      tolerance=SINGLE_ROW_JOB_TOLERANCE if max_batch == 1 else DEPTH_TOLERANCE)
     # Greedy rows keep a controller wherever some depth is predicted to win

@@ -206,6 +206,9 @@ def measure_cycle_costs(
     from .mtp_patch import MTPContract
     from .runtime import MTPLXRuntime
 
+    if model.max_context is not None:  # prompt + max_tokens must fit the context
+        prompt_len = max(1, min(prompt_len, model.max_context // 2))
+        max_tokens = max(1, min(max_tokens, model.max_context - prompt_len))
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, model.vocab_size, (batch_size, prompt_len)).tolist()
     # Every cycle at the full batch size: that is the cost being calibrated.
@@ -213,6 +216,8 @@ def measure_cycle_costs(
         k: MTPLXRuntime(model, MTPContract(depth=k, compile=compiled, shrink_batch=False), max_batch=batch_size)
         for k in depths
     }
+    for rt in runtimes.values():
+        rt.eos = set()  # a random prompt's end of sequence would end its row before any cycle is timed
     for rt in runtimes.values():
         rt.generate(prompts, max_tokens=4)
     times = {k: [] for k in depths}

@@ -106,7 +106,7 @@ class MTPLXRuntime:
         depths = warm_up_depths(self.depth)
         max_tokens = (self.depth + 1) * len(depths) + 2  # no row ends before the sequence does
         if self.model.max_context is not None:
-            max_tokens = min(max_tokens, self.model.max_context - 4 - self.depth - 1)
+            max_tokens = min(max_tokens, self.model.max_context - 4)
         if max_tokens < 1:
             return  # a context too short for dummy rows: the job's first bursts trace instead
         controller, eos = self.auto.controller, self.eos
@@ -286,8 +286,11 @@ class MTPLXRuntime:
         vocab = self.model.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise PromptError(f"prompt token ids must be in [0, {vocab})")
+        # The verify writes up to k positions past a row's last one; only
+        # rejected drafts land there, and RoPE positions have no hard end, so
+        # the limit is on what the row keeps, as vLLM's max_model_len is.
         limit = self.model.max_context
-        if limit is not None and len(ids) + req.max_tokens + self.depth + 1 > limit:
+        if limit is not None and len(ids) + req.max_tokens > limit:
             raise PromptError(
                 f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens} exceeds "
                 f"the model context of {limit} tokens"

@@ -219,7 +219,6 @@ def dry_run(job: Prepared, opts: RunOptions) -> RunResult:
     state = open_output(out, plan, job.manifest, overwrite=opts.overwrite, dry_run=True)
     tokenizer = load_tokenizer(job.ref)
     max_ctx = max_context_of(read_config(job.ref.path))
-    depth = spec.model.depth if isinstance(spec.model.depth, int) else 3
     encoder = PromptEncoder(spec.prompt, tokenizer)
     prompts = tokens = longest = over = 0
     errors: Counter = Counter()
@@ -230,7 +229,7 @@ def dry_run(job: Prepared, opts: RunOptions) -> RunResult:
         prompts += 1
         tokens += r.prompt_length
         longest = max(longest, r.prompt_length)
-        if max_ctx is not None and r.prompt_length + spec.generation.max_tokens + depth + 1 > max_ctx:
+        if max_ctx is not None and r.prompt_length + spec.generation.max_tokens > max_ctx:
             over += len(r.todo)
     total = job.source.num_rows * plan.variants * plan.n
     report = [

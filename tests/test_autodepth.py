@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 import mtplx
@@ -57,6 +58,32 @@ def test_auto_depth_runtime_records_its_choice_and_decodes_like_plain_greedy(tmp
     plain = MTPLXRuntime(model, MTPContract(depth=0), max_batch=2)
     assert [o.tokens for o in auto.generate(prompts, max_tokens=6)] == [o.tokens for o in plain.generate(prompts, max_tokens=6)]
     assert sum(record["cycles_by_depth"].values()) == auto.stats["cycles"] > 0
+
+
+def test_auto_calibrates_where_calibration_prompts_exceed_the_context_or_every_token_ends_a_row(tmp_path, monkeypatch):
+    short = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "short", vocab_size=48, max_position_embeddings=40))
+    auto = MTPLXRuntime(short, MTPContract(depth="auto"), max_batch=2)
+    assert all(np.isfinite(v) for v in auto.stats["auto_depth"]["cycle_costs"]["cycle_s"].values())
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    monkeypatch.setattr(type(model), "eos_token_ids", property(lambda self: set(range(48))))
+    auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
+    assert all(np.isfinite(v) for v in auto.stats["auto_depth"]["cycle_costs"]["cycle_s"].values())
+    outs = auto.generate([[3, 4, 5], [7, 8]], max_tokens=4)
+    assert [(o.finish_reason, o.tokens) for o in outs] == [("stop", []), ("stop", [])]
+
+
+def test_auto_falls_back_to_plain_decoding_when_calibration_times_no_cycle(tmp_path, monkeypatch):
+    import mtplx.autodepth as autodepth
+
+    nan = float("nan")
+    monkeypatch.setattr(autodepth, "measure_cycle_costs",
+                        lambda model, B, depths, **kw: CycleCosts(B, {k: nan for k in depths}))
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
+    assert auto.depth == 0 and auto.stats["auto_depth"]["reason"] == "calibration timed no decode cycle"
+    plain = MTPLXRuntime(model, MTPContract(depth=0), max_batch=2)
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
+    assert [o.tokens for o in auto.generate(prompts, max_tokens=5)] == [o.tokens for o in plain.generate(prompts, max_tokens=5)]
 
 
 # -- the running controller ------------------------------------------------------

@@ -244,6 +244,22 @@ def test_headless_checkpoint_decodes_at_depth_zero_and_auto_and_refuses_to_draft
     assert rt.stats["auto_depth"]["policy"].startswith("plain decoding")  # what a job at depth auto prints
 
 
+def test_a_prompt_that_fills_the_context_with_max_tokens_is_decoded_at_every_depth(tmp_path):
+    """prompt + max_tokens <= the model's context is accepted whatever the
+    depth (the verify's writes past a row's end are rejected drafts); one
+    token more is refused at every depth."""
+    path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=VOCAB, max_position_embeddings=40)
+    model = make_predictable(mtplx.load(path))
+    fits, over = _prompts(1, seed=2, lengths=(34,))[0], _prompts(1, seed=2, lengths=(35,))[0]
+    plain = None
+    for depth in (0, 1, 3):
+        outs = MTPLXRuntime(model, MTPContract(depth=depth), max_batch=2).generate([fits, over], max_tokens=6)
+        assert outs[0].error is None, outs[0].error
+        assert outs[1].finish_reason == "error" and "context of 40 tokens" in outs[1].error
+        plain = plain or outs[0].tokens
+        assert outs[0].tokens == plain
+
+
 def test_empty_and_overlong_prompts_become_error_rows(models):
     model = models["qwen3_5"]
     too_long = [1] * (model.max_context + 1)
