@@ -39,16 +39,40 @@ def read_header(file: Path) -> Dict[str, dict]:
             (n,) = struct.unpack("<Q", f.read(8))
             if n <= 0 or 8 + n > size:
                 raise ValueError("header length past end of file")
-            header = json.loads(f.read(n))
+            header = _tensor_entries(json.loads(f.read(n)))
     except (OSError, ValueError, struct.error) as e:
         raise CheckpointError(f"corrupt safetensors file {file}: {e}") from None
-    header.pop("__metadata__", None)
     end = max((t["data_offsets"][1] for t in header.values()), default=0)
     if 8 + n + end > size:
         raise CheckpointError(
             f"truncated safetensors file {file}: {size} bytes, header needs {8 + n + end}"
         )
     return header
+
+
+def _tensor_entries(header) -> Dict[str, dict]:
+    """The header's tensor entries, checked for the fields later reads index,
+    so that valid JSON of the wrong shape is reported as a corrupt file (a
+    ValueError) rather than escaping as a KeyError or TypeError."""
+    if not isinstance(header, dict):
+        raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
+    header = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, t in header.items():
+        if not isinstance(t, dict):
+            raise ValueError(f"tensor {name!r}: entry is not an object")
+        for field in ("dtype", "shape", "data_offsets"):
+            if field not in t:
+                raise ValueError(f"tensor {name!r}: no {field!r}")
+        if not _non_negative_ints(t["shape"]):
+            raise ValueError(f"tensor {name!r}: shape {t['shape']!r} is not a list of sizes")
+        offsets = t["data_offsets"]
+        if not (_non_negative_ints(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+    return header
+
+
+def _non_negative_ints(v) -> bool:
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
 
 
 def shard_shapes(files: List[Path]) -> Dict[str, tuple]:

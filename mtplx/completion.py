@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
+from .request_checks import positive_int, stop_strings
 from .sampling import SamplingParams
 
 
@@ -23,13 +24,11 @@ class Request:
     logprobs: bool = False
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        self.max_tokens = positive_int("max_tokens", self.max_tokens)
+        self.n = positive_int("n", self.n)
         if self.row_id is None:
             self.row_id = self.index
-        self.stop = tuple(self.stop or ())
+        self.stop = stop_strings(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids or ())
 
 

@@ -52,14 +52,19 @@ class MTPContract:
     shrink_batch: bool = True
 
     def __post_init__(self):
-        if self.depth != "auto" and (not isinstance(self.depth, int) or not 0 <= self.depth <= MAX_DEPTH):
+        if self.depth != "auto" and not _int_in(self.depth, 0, MAX_DEPTH):
             raise ValueError(f"depth must be an int in 0..{MAX_DEPTH} or 'auto', got {self.depth!r}")
-        if not 0 <= self.max_depth_auto <= MAX_DEPTH:
+        if not _int_in(self.max_depth_auto, 0, MAX_DEPTH):
             raise ValueError(f"max_depth_auto must be in 0..{MAX_DEPTH}, got {self.max_depth_auto!r}")
         if self.acceptance not in ("residual", "coupled"):
             raise ValueError(f"acceptance must be 'residual' or 'coupled', got {self.acceptance!r}")
         if self.prefill_chunk < 1 or self.prefill_batch_tokens < 1:
             raise ValueError("prefill_chunk and prefill_batch_tokens must be >= 1")
+
+
+def _int_in(v, lo: int, hi: int) -> bool:
+    # bool is an int subclass, but depth=True is a mistake, not depth 1.
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
 class CheckpointError(ValueError):

@@ -34,6 +34,7 @@ from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
 from .prefill import Prefilled, prefill_by_length
+from .request_checks import PromptError, prompt_list, row_id_list, stop_strings, token_ids
 from .sampling import (
     SamplingParams,
     batch_sampling,
@@ -134,11 +135,17 @@ class MTPLXRuntime:
         stop_token_ids: Sequence[int] = (),
         logprobs: bool = False,
     ) -> List[Completion]:
-        """Complete every prompt; results in input order (then sample order)."""
+        """Complete every prompt; results in input order (then sample order).
+
+        A prompt is a string or a list of token ids; one whose ids are not
+        integers in the vocabulary ends as an error completion."""
+        prompts = prompt_list(prompts)
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError("sampling must be one SamplingParams or one per prompt")
+        row_ids = row_id_list(row_ids, len(prompts))
+        stop = stop_strings(stop)
         requests = [
             Request(
                 index=i,
@@ -147,7 +154,7 @@ class MTPLXRuntime:
                 max_tokens=max_tokens,
                 row_id=None if row_ids is None else row_ids[i],
                 n=n,
-                stop=tuple(stop),
+                stop=stop,
                 stop_token_ids=tuple(stop_token_ids),
                 logprobs=logprobs,
             )
@@ -280,7 +287,7 @@ class MTPLXRuntime:
         if isinstance(req.prompt, str):
             ids = self.model.tokenizer.encode(req.prompt)
         else:
-            ids = [int(t) for t in req.prompt]
+            ids = token_ids(req.prompt)
         if not ids:
             raise PromptError("empty prompt")
         vocab = self.model.vocab_size
@@ -447,10 +454,6 @@ class MTPLXRuntime:
             prompt_tokens=row.prompt_tokens,
             logprobs=row.logprobs,
         )
-
-
-class PromptError(ValueError):
-    """A prompt the runtime cannot decode; its row ends with an error."""
 
 
 @dataclass

@@ -1,0 +1,94 @@
+"""Checks of what callers hand `MTPLXRuntime.generate` and `Request`, with
+messages that name the problem: a mistake here would otherwise fail deep in
+the decode loop, or silently (a lone string taken as one prompt per
+character, float ids truncated)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import abc
+from typing import List, Optional, Tuple
+
+
+class PromptError(ValueError):
+    """A prompt the runtime cannot decode; its row ends with an error."""
+
+
+def positive_int(name: str, v) -> int:
+    # Integral covers numpy ints (from a DataFrame, say); bool and float are
+    # mistakes that would otherwise fail deep in the decode loop.
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= 1, got {v!r}")
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return int(v)
+
+
+def stop_strings(stop) -> Tuple[str, ...]:
+    """`stop` as a tuple of strings. A lone string is one stop string, as in
+    vLLM, not its characters; an empty one would match before any text."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    for s in stops:
+        if not isinstance(s, str):
+            raise TypeError(f"stop strings must be str, got {s!r}")
+        if not s:
+            raise ValueError("stop strings must not be empty (\"\" matches before any text)")
+    return stops
+
+
+def prompt_list(prompts) -> list:
+    """`prompts` as a list, each a string or a sequence. A lone string (or
+    one prompt's token ids) would otherwise be taken as one prompt per
+    character (or a failure per id)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, abc.Iterable):
+        raise TypeError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
+    prompts = list(prompts)
+    for i, p in enumerate(prompts):
+        if isinstance(p, bytes) or not isinstance(p, abc.Iterable):
+            raise TypeError(
+                f"prompts must be a list of strings or of token-id lists; prompts[{i}] is "
+                f"{type(p).__name__} {_short_repr(p)} (wrap one prompt's ids as [ids])"
+            )
+    return prompts
+
+
+def row_id_list(row_ids, count: int) -> Optional[list]:
+    # A length mismatch would otherwise be an IndexError, or ids silently unused.
+    if row_ids is None:
+        return None
+    if isinstance(row_ids, (str, bytes)) or not isinstance(row_ids, abc.Iterable):
+        raise TypeError(f"row_ids must be a list with one id per prompt, got {type(row_ids).__name__}")
+    row_ids = list(row_ids)
+    if len(row_ids) != count:
+        raise ValueError(f"row_ids must have one id per prompt: {len(row_ids)} ids for {count} prompts")
+    return row_ids
+
+
+def token_ids(prompt) -> List[int]:
+    """A prompt's token ids as ints; anything not an integer id is a PromptError
+    (that row's error), not a whole-call failure or a silent truncation."""
+    if isinstance(prompt, bytes) or not isinstance(prompt, abc.Iterable):
+        raise PromptError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if hasattr(prompt, "tolist"):  # numpy / mlx arrays: Python scalars, checked below
+        prompt = prompt.tolist()
+        if not isinstance(prompt, list):
+            raise PromptError(f"prompt must be a list of token ids, got the scalar {prompt!r}")
+    return [token_id(t, i) for i, t in enumerate(prompt)]
+
+
+def token_id(t, i: int) -> int:
+    if type(t) is int:  # the common case, kept cheap for long prompts
+        return t
+    # An integral float (5.0) is the id it spells; bool is an int subclass but never an id.
+    if isinstance(t, numbers.Integral) and not isinstance(t, bool):
+        return int(t)
+    if isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t) and float(t).is_integer():
+        return int(t)
+    raise PromptError(f"prompt token ids must be integers; position {i} is {_short_repr(t)}")
+
+
+def _short_repr(v, limit: int = 60) -> str:
+    # The value goes into an error message (and an output row): keep it a line.
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."

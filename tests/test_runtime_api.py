@@ -1,0 +1,160 @@
+"""What `runtime.generate` accepts and how it says no: stop strings, argument
+types, token-id prompts (bad ids end their own row only), the contract's
+depth, and safetensors headers of the wrong shape."""
+
+import json
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mtplx
+from mtplx import MTPContract, MTPLXRuntime
+from mtplx.checkpoint import read_header
+from mtplx.completion import Request
+from mtplx.mtp_patch import CheckpointError
+from mtplx.testing import tiny_checkpoint
+
+from model_helpers import make_predictable
+
+VOCAB = 48
+GOOD = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory):
+    path = tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("qwen3_5"), vocab_size=VOCAB)
+    return MTPLXRuntime(make_predictable(mtplx.load(path)), MTPContract(depth=2), max_batch=4)
+
+
+# -- stop strings ---------------------------------------------------------------------
+
+
+def test_a_plain_string_stop_is_one_stop_string_not_its_characters(rt):
+    assert Request(index=0, prompt=GOOD, stop="ab").stop == ("ab",)
+    full = rt.generate([GOOD], max_tokens=8)[0].text
+    stop = full[2:4]
+    as_str = rt.generate([GOOD], max_tokens=8, stop=stop)[0]
+    as_list = rt.generate([GOOD], max_tokens=8, stop=[stop])[0]
+    assert as_str.finish_reason == "stop" and as_str.text == full[: full.index(stop)]
+    assert (as_str.tokens, as_str.text) == (as_list.tokens, as_list.text)
+
+
+@pytest.mark.parametrize("stop", [[""], "", ["x", ""]])
+def test_an_empty_stop_string_is_rejected(rt, stop):
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        rt.generate([GOOD], max_tokens=3, stop=stop)
+
+
+# -- argument types -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_tokens", [2.5, None, True, "3"])
+def test_max_tokens_that_is_not_an_integer_is_a_clear_type_error(rt, max_tokens):
+    with pytest.raises(TypeError, match="max_tokens must be an integer >= 1"):
+        rt.generate([GOOD], max_tokens=max_tokens)
+
+
+def test_max_tokens_as_a_numpy_integer_is_accepted(rt):
+    out = rt.generate([GOOD], max_tokens=np.int64(3))[0]
+    assert out.finish_reason in ("stop", "length") and 1 <= len(out.tokens) <= 3
+
+
+def test_n_that_is_not_an_integer_is_a_clear_type_error(rt):
+    with pytest.raises(TypeError, match="n must be an integer >= 1"):
+        rt.generate([GOOD], max_tokens=3, n=2.5)
+
+
+@pytest.mark.parametrize("prompts", ["abc", b"abc", GOOD, 5])
+def test_prompts_that_are_not_a_list_of_prompts_are_a_clear_type_error(rt, prompts):
+    # A lone string used to become one prompt per character, and one
+    # prompt's ids failed deep inside.
+    with pytest.raises(TypeError, match="prompts must be a list of strings or of token-id lists"):
+        rt.generate(prompts, max_tokens=2)
+
+
+@pytest.mark.parametrize("row_ids", [["a"], ["a", "b", "c"]])
+def test_row_ids_of_the_wrong_length_are_a_clear_value_error(rt, row_ids):
+    with pytest.raises(ValueError, match="row_ids must have one id per prompt: .* for 2 prompts"):
+        rt.generate([GOOD, GOOD], max_tokens=2, row_ids=row_ids)
+
+
+@pytest.mark.parametrize("kwargs", [dict(depth=True), dict(depth=False), dict(max_depth_auto=True)])
+def test_contract_rejects_bools_as_depths(kwargs):
+    with pytest.raises(ValueError, match="must be"):
+        MTPContract(**kwargs)
+
+
+# -- token-id prompts -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[5, float("nan")], [5.9, 7.2], [True, 5], [5, "a"], np.array([5.5, 6.0]), [5, [6]], [float("inf")]],
+    ids=["nan", "fractional", "bool", "str", "float-array", "nested", "inf"],
+)
+def test_a_prompt_with_non_integer_ids_is_that_rows_error_and_the_others_complete(rt, bad):
+    want = rt.generate([GOOD], max_tokens=4)[0].tokens
+    err, ok = rt.generate([bad, GOOD], max_tokens=4)
+    assert err.finish_reason == "error" and "token ids must be integers" in err.error
+    assert err.tokens == []
+    assert ok.finish_reason != "error" and ok.tokens == want
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[np.int64(5), 6, np.int32(7)], np.array(GOOD, dtype=np.int32), mx.array(GOOD), [5.0, 6.0, 7.0]],
+    ids=["numpy-scalars", "numpy-array", "mlx-array", "integral-floats"],
+)
+def test_integral_token_ids_of_any_int_type_are_accepted(rt, ids):
+    want = rt.generate([GOOD], max_tokens=4)[0].tokens
+    assert rt.generate([ids], max_tokens=4)[0].tokens == want
+
+
+# -- safetensors headers ----------------------------------------------------------------
+
+
+def _drop_offsets(h):
+    h[next(k for k in h if k != "__metadata__")].pop("data_offsets")
+    return h
+
+
+def _bad_offsets(h):
+    h[next(k for k in h if k != "__metadata__")]["data_offsets"] = [8, 0]
+    return h
+
+
+HEADER_EDITS = {
+    "entry-without-data_offsets": _drop_offsets,
+    "header-is-a-list": lambda h: [1, 2],
+    "metadata-renamed": lambda h: {("meta" if k == "__metadata__" else k): v for k, v in h.items()},
+    "entry-is-a-number": lambda h: {**h, "x": 3},
+    "offsets-reversed": _bad_offsets,
+}
+
+
+def _rewrite_header(file, edit):
+    data = file.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.dumps(edit(json.loads(data[8 : 8 + n]))).encode()
+    header += b" " * (-len(header) % 8)
+    file.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n :])
+
+
+@pytest.mark.parametrize("edit", HEADER_EDITS.values(), ids=HEADER_EDITS.keys())
+def test_a_safetensors_header_of_the_wrong_shape_is_a_checkpoint_error_naming_the_file(tmp_path, edit):
+    file = tmp_path / "model.safetensors"
+    mx.save_safetensors(str(file), {"a": mx.zeros((2, 3)), "b": mx.ones((4,))}, metadata={"format": "pt"})
+    assert set(read_header(file)) == {"a", "b"}
+    _rewrite_header(file, edit)
+    with pytest.raises(CheckpointError, match=f"corrupt safetensors file .*{file.name}"):
+        read_header(file)
+
+
+def test_mtplx_load_names_a_shard_whose_header_has_an_entry_without_offsets(tmp_path):
+    path = tiny_checkpoint("qwen3_5", tmp_path / "ck", vocab_size=VOCAB)
+    shard = sorted(path.glob("model-*.safetensors"))[0]
+    _rewrite_header(shard, _drop_offsets)
+    with pytest.raises(CheckpointError, match=f"corrupt safetensors file .*{shard.name}"):
+        mtplx.load(path)
