@@ -163,9 +163,11 @@ def _with_engine(spec, engine, address, actors):
 @click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True, help="Tokens per completion at most.")
 @click.option("-n", "--n", "n", type=click.IntRange(1), default=1, show_default=True, help="Samples per prompt.")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="Nucleus sampling: draw from the most likely tokens holding this much probability; 1 = off.")
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")
-@click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True)
+@click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Drop tokens less likely than this fraction of the most likely token's probability; 0 = off.")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Job seed; with the row id it "
                                                                                   "keys every random draw.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
@@ -189,18 +191,19 @@ def generate_cmd(input_path, output_path, model, prompt_column, messages_column,
         "batch": {"max_batch": batch_size},
         "output": {"path": str(output_path), "flush_rows": flush_rows},
     }
-    doc["input"]["id_column"] = id_column or _default_id_column(input_path)
+    doc["input"]["id_column"] = id_column or _default_id_column(input_path, output_path)
     if doc["input"]["id_column"] is None:
         del doc["input"]["id_column"]
     spec = spec_from_dict(doc)
     _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
 
 
-def _default_id_column(input_path: str):
+def _default_id_column(input_path: str, output_path: Path):
     from .inputs import open_input
     from .spec import InputSpec
 
-    names = open_input(InputSpec(path=input_path)).column_names()
+    # Without the output directory: a previous run's parts may lie inside the input.
+    names = open_input(InputSpec(path=input_path), exclude=output_path).column_names()
     return "id" if "id" in names else None
 
 

@@ -25,11 +25,18 @@ ROW_INDEX = "row_index"  # the key column when the input has no id column
 
 
 def is_id_type(t: pa.DataType) -> bool:
+    """Integers or strings, also dictionary-encoded (a pandas `category`)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
     return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
 def id_hashes(values: pa.Array) -> np.ndarray:
-    """uint64 [N] for a non-null integer or string id array."""
+    """uint64 [N] for a non-null integer or string id array. A dictionary-
+    encoded id hashes as its value: the key must not depend on the encoding
+    (the output holds plain values, which resume hashes again)."""
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
     t = values.type
     if pa.types.is_integer(t):
         if pa.types.is_unsigned_integer(t):

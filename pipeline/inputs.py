@@ -29,36 +29,45 @@ class InputSource:
     files: List[Path] = field(default_factory=list)  # Parquet inputs
     file_schemas: List[pa.Schema] = field(default_factory=list)
     dataset: object = None  # a datasets.Dataset instead of files
+    # Its strings must be valid UTF-8: a bad id cannot key a row, so it fails
+    # the job as it is read, naming the file (a bad prompt is a row error).
+    id_column: Optional[str] = None
 
     def column_names(self) -> List[str]:
         return list(self.schema.names)
 
     def check_columns(self, columns: Sequence[str]) -> None:
-        """Every file has these columns, with the first file's types."""
+        """Every file has these columns, with the first file's types
+        (dictionary encoding aside: it is how a file stores values, not what
+        they are, and each writer picks its own index width)."""
         for f, schema in zip(self.files, self.file_schemas):
             for c in columns:
                 i = schema.get_field_index(c)
                 if i < 0:
                     raise JobError(f"Parquet file {f} has no column {c!r} (columns: {', '.join(schema.names)})")
-                if schema.field(i).type != self.schema.field(c).type:
+                if value_type(schema.field(i).type) != self.schema.field(c).type:
                     raise JobError(
-                        f"column {c!r} is {schema.field(i).type} in {f} but {self.schema.field(c).type} "
+                        f"column {c!r} is {schema.field(i).type} in {f} but {self.file_schemas[0].field(c).type} "
                         f"in {self.files[0]}; all input files must agree"
                     )
 
     def iter_batches(self, columns: Sequence[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
-        """Record batches of just `columns`, in a fixed order."""
+        """Record batches of just `columns`, in a fixed order. Columns keep
+        their stored encoding (dictionary arrays stay dictionary arrays)."""
+        strict = self.id_column if self.id_column in columns else None
         if self.dataset is not None:
-            yield from _dataset_batches(self.dataset, columns, batch_rows)
+            yield from _checked(_dataset_batches(self.dataset, columns, batch_rows), strict, self.label)
             return
         for f in self.files:
-            yield from _file_batches(f, columns, batch_rows)
+            yield from _checked(_file_batches(f, columns, batch_rows), strict, str(f))
 
 
-def open_input(spec: InputSpec) -> InputSource:
+def open_input(spec: InputSpec, *, exclude: Optional[Path] = None) -> InputSource:
+    """`exclude`: a directory whose files are never input (the job's output
+    directory, which may lie inside an input directory)."""
     if spec.dataset is not None:
         return _open_dataset(spec)
-    files = parquet_files(spec.path)
+    files = parquet_files(spec.path, exclude=exclude)
     schemas, rows, prints = [], 0, []
     root = _common_root(files)
     for f in files:
@@ -67,24 +76,56 @@ def open_input(spec: InputSpec) -> InputSource:
         rows += meta.num_rows
         prints.append(_file_fingerprint(f, root, meta.num_rows))
     return InputSource(
-        label=spec.path, schema=schemas[0], num_rows=rows, files=files, file_schemas=schemas,
-        fingerprint={"kind": "parquet", "files": prints},
+        label=spec.path, schema=decoded_schema(schemas[0]), num_rows=rows, files=files, file_schemas=schemas,
+        fingerprint={"kind": "parquet", "files": prints}, id_column=spec.id_column,
     )
 
 
-def parquet_files(pattern: str) -> List[Path]:
+def decoded_schema(schema: pa.Schema) -> pa.Schema:
+    """`schema` with dictionary-encoded columns as their value type: what the
+    rows hold, so that the output (and the keys of the rows) do not depend on
+    how the input happened to be encoded (a pandas `category` column)."""
+    return pa.schema([f.with_type(value_type(f.type)) for f in schema], metadata=schema.metadata)
+
+
+def value_type(t: pa.DataType) -> pa.DataType:
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def parquet_files(pattern: str, *, exclude: Optional[Path] = None) -> List[Path]:
     p = Path(pattern)
+    skip = Path(exclude).resolve() if exclude is not None else None
     if any(c in pattern for c in _GLOB_CHARS) and not p.exists():
         files = [Path(f) for f in sorted(glob.glob(pattern, recursive=True)) if Path(f).is_file()]
     elif p.is_dir():
+        _refuse_enclosing(p, skip, pattern, exclude)
         files = sorted(f for f in p.rglob("*.parquet") if f.is_file() and not _hidden(f, p))
     elif p.is_file():
+        _refuse_enclosing(p, skip, pattern, exclude)
         files = [p]
     else:
         raise JobError(f"input not found: {pattern}")
+    found = bool(files)
+    if skip is not None:
+        files = [f for f in files if not _inside(f, skip)]
     if not files:
-        raise JobError(f"no Parquet files in input {pattern}")
+        where = f" outside the output directory {exclude}" if found else ""
+        raise JobError(f"no Parquet files in input {pattern}{where}")
     return files
+
+
+def _refuse_enclosing(p: Path, skip: Optional[Path], pattern: str, exclude: Optional[Path]) -> None:
+    """An output directory that is, or holds, the input would read the job's
+    own part files back as input on every rerun."""
+    if skip is not None and _inside(p, skip):
+        what = "is" if p.resolve() == skip else "contains"
+        raise JobError(f"the output directory {exclude} {what} the input {pattern}; "
+                       "pick an output directory outside it")
+
+
+def _inside(f: Path, root: Path) -> bool:
+    """`f` is `root` or below it (`root` resolved); symlinks followed."""
+    return f.resolve().is_relative_to(root)
 
 
 def _hidden(f: Path, root: Path) -> bool:
@@ -176,7 +217,8 @@ def _open_dataset(spec: InputSpec) -> InputSource:
     except Exception as e:  # datasets raises many unrelated types
         raise JobError(f"cannot load dataset {name!r}: {_first_line(e)}") from None
     fingerprint = {"kind": "datasets", "fingerprint": getattr(ds, "_fingerprint", None), "rows": ds.num_rows}
-    return InputSource(label=name, schema=ds.data.schema, num_rows=ds.num_rows, fingerprint=fingerprint, dataset=ds)
+    return InputSource(label=name, schema=decoded_schema(ds.data.schema), num_rows=ds.num_rows, fingerprint=fingerprint,
+                       dataset=ds, id_column=spec.id_column)
 
 
 def _saved_to_disk(p: Path) -> bool:
@@ -191,6 +233,39 @@ def _dataset_batches(ds, columns: Sequence[str], batch_rows: int) -> Iterator[pa
     for table in view.iter(batch_size=batch_rows):
         for batch in table.to_batches():
             yield batch
+
+
+def _checked(batches: Iterator[pa.RecordBatch], id_column: Optional[str], where: str) -> Iterator[pa.RecordBatch]:
+    """`batches`, refusing an id that is not valid UTF-8 (row numbers count
+    from 0 in `where`)."""
+    seen = 0
+    for batch in batches:
+        if id_column is not None:
+            bad = first_invalid_text(batch.column(id_column))
+            if bad is not None:
+                raise JobError(f"id column {id_column!r} of {where} holds an id that is not valid UTF-8 "
+                               f"(row {seen + bad}); fix the input, or leave [input] id_column unset to key "
+                               "rows by row index")
+        seen += batch.num_rows
+        yield batch
+
+
+def first_invalid_text(values: pa.Array) -> Optional[int]:
+    """Index of the first string that is not valid UTF-8, or None."""
+    t = value_type(values.type)
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        return None
+    try:
+        values.validate(full=True)  # checks every string's UTF-8 in C++
+        return None
+    except pa.ArrowInvalid:
+        pass
+    for i in range(len(values)):  # only on failure: find which one
+        try:
+            values[i].as_py()
+        except UnicodeDecodeError:
+            return i
+    return None
 
 
 def column_type_name(schema: pa.Schema, name: str) -> Optional[str]:

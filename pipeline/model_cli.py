@@ -100,10 +100,15 @@ def _listed(values) -> str:
 
 @click.command("bench")
 @click.option("--model", type=click.Path(), default=None, help="Checkpoint (default: the built-in model).")
-@click.option("--batch-sizes", callback=_csv(int), default=_listed(QUICK["batch_sizes"]), show_default=True)
-@click.option("--depths", callback=_csv(_depth), default=_listed(QUICK["depths"]), show_default=True)
-@click.option("--temperatures", callback=_csv(float), default=_listed(QUICK["temperatures"]), show_default=True)
-@click.option("--max-tokens", type=int, default=QUICK["max_tokens"], show_default=True)
+@click.option("--batch-sizes", callback=_csv(int), default=_listed(QUICK["batch_sizes"]), show_default=True,
+              help="Comma-separated decode batch sizes to measure, each a separate series.")
+@click.option("--depths", callback=_csv(_depth), default=_listed(QUICK["depths"]), show_default=True,
+              help="Comma-separated MTP depths to compare with the baseline: 0 decodes plainly, 'auto' "
+                   "picks from the cost model.")
+@click.option("--temperatures", callback=_csv(float), default=_listed(QUICK["temperatures"]), show_default=True,
+              help="Comma-separated sampling temperatures to measure at (0 = greedy).")
+@click.option("--max-tokens", type=int, default=QUICK["max_tokens"], show_default=True,
+              help="New tokens per prompt at most, for both engines.")
 @click.option("--prompts", "num_prompts", callback=_csv(int), default=None,
               help="Prompts per run: one count for every batch size, or one per batch size, e.g. 1,16,16. "
                    "Prompts beyond the batch size stream through its slots, refilled as rows finish. "
@@ -114,10 +119,11 @@ def _listed(values) -> str:
               help="Rounds per setting; each runs mlx-lm once, then every depth, in an order that changes "
                    "from round to round so that each depth runs as often in each place and after each other. "
                    "Runs of fewer than 8 prompts get 8 // prompts times as many.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Sampling seed for both engines, so that reruns draw the same tokens.")
 @click.option("--output", type=click.Path(), default="bench.json", show_default=True, help="Where the JSON records go.")
 @click.option("--plot", type=click.Path(), default=None, help="Also draw tokens/s against batch size (needs matplotlib).")
-@click.option("--quiet", is_flag=True)
+@click.option("--quiet", is_flag=True, help="No progress lines; only the final table and file names.")
 def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts, max_prompt_tokens, repeats, seed, output,
               plot, quiet):
     """Benchmark MTPLX against mlx_lm.batch_generate, side by side in one run.

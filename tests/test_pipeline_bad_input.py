@@ -212,3 +212,127 @@ def test_bad_job_in_a_fresh_process_prints_one_line_and_no_traceback(tmp_path, t
     assert r.stderr.strip().splitlines() == [
         f"mtplx: error: input {inp} has no column 'prompt' ([prompt] column); columns: id, text"
     ]
+
+
+# ------------------------------------------------------- invalid UTF-8 text
+
+
+def bad_utf8(*values):
+    """A string column holding bytes as given: Parquet does not check UTF-8."""
+    import pyarrow as pa
+
+    return pa.array([v if v is None else v.encode() if isinstance(v, str) else v for v in values],
+                    pa.binary()).view(pa.string())
+
+
+def test_invalid_utf8_prompt_is_a_row_error_and_its_batch_goes_on(tmp_path, tiny_model):
+    prompt = bad_utf8("the cat", b"def f(\xff\xfe):", "a dog is")
+    note = bad_utf8("n0", "n1", b"\xc3(")
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b", "c"], prompt=prompt, note=note)
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "j.toml", job_text(inp, out, tiny_model, id_line='id_column = "id"\n'
+                                                  'keep_columns = ["note"]'))
+    r = invoke("run", job)
+    assert r.exit_code == 1, r.output
+    assert "2 row errors" in r.stderr and "Traceback" not in r.output
+    rows = {row["id"]: row for row in parts_rows(out)}
+    assert rows["a"]["error"] is None and rows["a"]["completion_tokens"] > 0 and rows["a"]["note"] == "n0"
+    assert rows["b"]["error"] == "prompt is not valid UTF-8" and rows["b"]["prompt"] is None
+    assert rows["c"]["error"] == "column 'note' is not valid UTF-8" and rows["c"]["note"] is None
+    assert rows["c"]["prompt"] == "a dog is"
+
+
+def test_dry_run_counts_an_invalid_utf8_prompt_as_a_row_error(tmp_path, tiny_model):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b"], prompt=bad_utf8("the cat", b"\xff\xfe"))
+    job = write_job(tmp_path / "j.toml", job_text(inp, tmp_path / "out", tiny_model))
+    r = invoke("run", job, "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "row errors seen already: 1" in r.stdout and "1 x prompt is not valid UTF-8" in r.stdout
+    assert "prompts to run: 1" in r.stdout
+
+
+def test_invalid_utf8_id_is_one_line_naming_the_file_column_and_row(tmp_path, tiny_model):
+    d = tmp_path / "data"
+    write_parquet(d / "a.parquet", id=["a", "b"], prompt=["x", "y"])
+    write_parquet(d / "b.parquet", id=bad_utf8("c", "d", b"\xff"), prompt=["x", "y", "z"])
+    job = write_job(tmp_path / "j.toml", job_text(d, tmp_path / "out", tiny_model))
+    line = one_error_line(invoke("run", job))
+    assert str(d / "b.parquet") in line and "'id'" in line and "not valid UTF-8" in line and "row 2" in line
+
+
+# ----------------------------------------- the output directory inside the input
+
+
+def test_input_directory_scan_leaves_out_the_output_directory_inside_it(tmp_path):
+    from pipeline.inputs import open_input
+    from pipeline.spec import InputSpec
+
+    d = tmp_path / "data"
+    write_parquet(d / "in.parquet", id=["a", "b"], prompt=["x", "y"])
+    before = open_input(InputSpec(path=str(d)), exclude=d / "out")
+    write_parquet(d / "out" / "part-00000.parquet", id=["a"], completion=["z"])  # a first run's output
+    after = open_input(InputSpec(path=str(d)), exclude=d / "out")
+    assert after.files == [d / "in.parquet"] and after.num_rows == 2
+    assert after.fingerprint == before.fingerprint  # so the rerun resumes
+    assert len(open_input(InputSpec(path=str(d))).files) == 2  # no exclude: every file, as before
+    glob_input = open_input(InputSpec(path=str(d / "**" / "*.parquet")), exclude=d / "out")
+    assert glob_input.files == [d / "in.parquet"]
+
+
+@pytest.mark.parametrize("where", ["same", "parent"])
+def test_output_directory_that_is_or_holds_the_input_is_refused(tmp_path, where):
+    from pipeline.errors import JobError
+    from pipeline.inputs import open_input
+    from pipeline.spec import InputSpec
+
+    d = tmp_path / "data"
+    write_parquet(d / "in.parquet", id=["a"], prompt=["x"])
+    out = d if where == "same" else tmp_path
+    for inp in (d, d / "in.parquet"):
+        with pytest.raises(JobError) as e:
+            open_input(InputSpec(path=str(inp)), exclude=out)
+        assert len(str(e.value).splitlines()) == 1
+        assert f"output directory {out} " in str(e.value) and "outside" in str(e.value)
+
+
+# ------------------------------------------------- dictionary-encoded ids
+
+
+def test_dictionary_encoded_ids_key_rows_like_plain_ones(tmp_path, tiny_model):
+    import numpy as np
+    import pyarrow as pa
+
+    from pipeline.ids import id_hashes
+
+    for plain in (pa.array(["r0", "r1", "r0"]), pa.array([7, -3, 7], pa.int64())):
+        assert np.array_equal(id_hashes(plain.dictionary_encode()), id_hashes(plain))
+    # Two files whose dictionaries have different index widths, as pandas
+    # `category` columns get from their number of categories.
+    d = tmp_path / "data"
+    ids = pa.array(["r0", "r1", "r2", "r3"]).dictionary_encode()
+    wide = pa.DictionaryArray.from_arrays(pa.array([0, 1], pa.int16()), pa.array(["r4", "r5"]))
+    write_parquet(d / "a.parquet", id=ids, prompt=PROMPTS)
+    write_parquet(d / "b.parquet", id=wide, prompt=PROMPTS[:2])
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "j.toml", job_text(d, out, tiny_model))
+    r = invoke("run", job)
+    assert r.exit_code == 0, r.output
+    table = pq.read_table(sorted(out.glob("part-*.parquet")))
+    assert table.schema.field("id").type == pa.string()  # plain values, whatever the input's encoding
+    assert sorted(table.column("id").to_pylist()) == [f"r{i}" for i in range(6)]
+    r = invoke("run", job, "--dry-run")  # the output's plain ids match the dictionary input's keys
+    assert r.exit_code == 0 and "6 already in the output" in r.stdout and "prompts to run: 0" in r.stdout
+
+
+# ------------------------------------------------------------------ --help
+
+
+def test_every_generate_and_bench_option_has_help():
+    import click
+
+    from pipeline.cli import cli
+
+    for name in ("generate", "bench"):
+        command = cli.commands[name]
+        bare = [p.opts[-1] for p in command.params if isinstance(p, click.Option) and not p.help]
+        assert bare == [], f"mtplx {name}: options without help: {bare}"
