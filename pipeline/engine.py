@@ -127,15 +127,11 @@ OpenEngine = Callable[[ModelRef, JobSpec, Optional[int]], Engine]
 def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int]) -> Engine:
     """Load the model and build the runtime; every failure is one JobError line."""
     import mtplx
-    from mtplx.mtp_patch import CheckpointError
     from mtplx.runtime import Request
 
     from .memory import size_runtime
 
-    try:
-        model = mtplx.load(ref.path)
-    except (CheckpointError, OSError, ValueError) as e:
-        raise JobError(f"cannot load model {ref.path}: {e}") from None
+    model = _load_model(ref)
     sizing = size_runtime(model, spec, max_memory)
     try:
         contract = mtplx.MTPContract(
@@ -153,3 +149,21 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int]) -> Engi
         "estimated_memory_bytes": sizing.estimated_bytes,
     }
     return Engine(model.tokenizer, model.max_context, Request, runtime, settings)
+
+
+def check_memory_cap(ref: ModelRef, spec: JobSpec) -> None:
+    """A dry run's check of [batch] max_memory: the model's modules built
+    without reading a weight, sized as a run would size them."""
+    from .memory import size_runtime
+
+    size_runtime(_load_model(ref, lazy=True), spec, spec.batch.max_memory)
+
+
+def _load_model(ref: ModelRef, lazy: bool = False):
+    import mtplx
+    from mtplx.mtp_patch import CheckpointError
+
+    try:
+        return mtplx.load(ref.path, lazy=lazy)
+    except (CheckpointError, OSError, ValueError) as e:
+        raise JobError(f"cannot load model {ref.path}: {e}") from None

@@ -1,19 +1,26 @@
-"""The output directory: its manifest, the resume scan and --overwrite.
+"""The output directory: its lock, manifest, the resume scan and --overwrite.
 
 The part files are the only record of what is done. `manifest.json` is written
 once, before the first part, and holds the hash of everything that decides the
 rows' content (spec, model fingerprint, input fingerprint); a later run on the
 same directory must match it or is refused.
+
+A run holds `.mtplx.lock` (an flock, which the kernel releases however the
+process ends, `kill -9` included) from its resume scan to its summary: two
+runs resuming from the same parts at once would write the same rows twice
+and reuse each other's part names.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import Iterator, List, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +32,7 @@ from .plan import Plan
 
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
+LOCK = ".mtplx.lock"
 # `part-NNNNN.parquet` (the local engine) or `part-sSSSSS-KKKKK.parquet` (part
 # K of shard S, the Ray engine: a retried shard reuses its own names).
 PART_RE = re.compile(r"^part-(?:(\d{5,})|s(\d{5,})-(\d{5,}))\.parquet$")
@@ -75,6 +83,7 @@ class OutputState:
     next_part: int
     existed: bool  # a previous run left a manifest here
     next_shard: int = 0  # the first shard number no part file uses
+    overwrite: bool = False  # what a previous run wrote goes when this run starts writing
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -114,28 +123,77 @@ def check_writable(out: Path) -> None:
         raise JobError(f"output directory {out} is not writable ({probe_dir} denies writing)")
 
 
-def open_output(out: Path, plan: Plan, manifest: dict, *, overwrite: bool, dry_run: bool) -> OutputState:
+@contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold `out` for this run, or refuse if another run holds it."""
     check_writable(out)
-    existed = (out / MANIFEST).exists()
-    if overwrite and not dry_run:
-        clear_output(out)
-        existed = False
-    elif existed:
-        _check_manifest(out, manifest)
-    elif part_files(out) and not overwrite:
-        raise JobError(f"{out} holds part files but no {MANIFEST}; pass --overwrite to start over, or pick another directory")
-    if dry_run:
-        if overwrite:
-            return OutputState(out, KeySet(), 0, 0, False)
-        return _scan_parts(out, plan, existed)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise JobError(f"cannot write to output directory {out}: {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise JobError(_in_use(out, fd)) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def output_in_use(out: Path) -> Optional[str]:
+    """The refusal `output_lock` would give now, else None (for dry runs)."""
+    try:
+        fd = os.open(out / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return _in_use(out, fd)
+    finally:
+        os.close(fd)
+
+
+def _in_use(out: Path, fd: int) -> str:
+    holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    pid = f" (pid {holder})" if holder.isdigit() else ""
+    return f"output directory {out} is in use by another run{pid}; wait for it to end or pick another directory"
+
+
+def open_output(out: Path, plan: Plan, manifest: dict, *, overwrite: bool) -> OutputState:
+    """What `out` holds, checked against this job. Writes nothing: a job that
+    fails a later check (the model, the memory cap) leaves a previous run's
+    output as it was, --overwrite included. `start_output` writes."""
+    check_writable(out)
+    if overwrite:
+        return OutputState(out, KeySet(), 0, 0, existed=False, overwrite=True)
+    existed = (out / MANIFEST).exists()
+    if existed:
+        _check_manifest(out, manifest)
+    elif part_files(out):
+        raise JobError(f"{out} holds part files but no {MANIFEST}; pass --overwrite to start over, or pick another directory")
+    return _scan_parts(out, plan, existed)
+
+
+def start_output(state: OutputState, manifest: dict) -> None:
+    """Ready `out` for this run's parts, once everything else has been
+    checked: --overwrite removes the previous run's output, a half-written
+    part is dropped, and a new job's manifest is written."""
+    out = state.path
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if state.overwrite:
+            clear_output(out)
         _remove_temp_files(out)
-        if not existed:
+        if not state.existed:
             write_json_atomic(out / MANIFEST, manifest)
     except OSError as e:
         raise JobError(f"cannot write to output directory {out}: {e.strerror or e}") from None
-    return _scan_parts(out, plan, existed)
 
 
 def clear_output(out: Path) -> None:
@@ -186,6 +244,12 @@ def changed_parts(old: dict, new: dict) -> str:
 def _scan_parts(out: Path, plan: Plan, existed: bool) -> OutputState:
     parts = part_files(out)
     done, rows = scan_keys(parts, plan)
+    twice = int(np.count_nonzero(done.keys[1:] == done.keys[:-1]))
+    if twice:  # resuming would keep them: every input row must appear once
+        raise JobError(
+            f"the part files in {out} hold {twice} rows more than once (written by two runs at once?); "
+            "pass --overwrite to start over"
+        )
     orders = [_part_order(p) for p in parts]
     next_part = 1 + max((n for kind, n, _ in orders if kind == 0), default=-1)
     next_shard = 1 + max((s for kind, s, _ in orders if kind == 1), default=-1)

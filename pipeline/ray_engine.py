@@ -25,7 +25,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from .engine import load_tokenizer
 from .errors import JobError
-from .outdir import OutputState, part_files
+from .outdir import OutputState, part_files, start_output
 from .progress import Progress
 from .prompts import PromptEncoder
 from .reader import PromptRow, read_rows
@@ -100,7 +100,7 @@ def numbered_shards(rows: Iterator[PromptRow], shard_rows: int, first: int) -> I
 
 
 def run_on_ray(job, opts, state: OutputState, started: float, log):
-    """The Ray counterpart of the local loop in `runner.run_job`."""
+    """The Ray counterpart of `runner.run_locally`."""
     from .runner import RunResult, finish_holding_signals
 
     ray = import_ray()
@@ -117,6 +117,7 @@ def run_on_ray(job, opts, state: OutputState, started: float, log):
             prompts = -(-todo // job.plan.n)  # the shards count prompt rows; each has n samples
             settings["shard_rows"] = shard_size(spec.ray.shard_rows, prompts, placement.actors,
                                                 settings.get("max_batch", spec.batch.max_batch))
+        start_output(state, job.manifest)  # the actors loaded the model: now --overwrite may remove
         if not opts.quiet:
             note = f"resuming: {state.rows_done} rows already in {out}" if state.rows_done else f"writing to {out}"
             log(f"{spec.name}: {note}; on Ray with {len(workers)} actors")

@@ -24,7 +24,7 @@ import pyarrow as pa
 from .engine import ModelRef, model_fingerprint, open_engine
 from .errors import JobError
 from .ids import KeySet, id_hashes, row_keys
-from .outdir import MANIFEST, next_shard_part, remove_shard_temp_files, scan_keys, shard_part_files, shard_part_name
+from .outdir import LOCK, next_shard_part, remove_shard_temp_files, scan_keys, shard_part_files, shard_part_name
 from .plan import Plan
 from .reader import PromptRow
 from .runner import stream_rows
@@ -84,8 +84,8 @@ class ShardWorker:
             raise JobError(f"model {ref.path} is not there; every node needs the checkpoint at the same path")
         if model_fingerprint(ref.path) != ref.fingerprint:
             raise JobError(f"model {ref.path} differs from the driver's (its fingerprint does not match)")
-        if not (self.out / MANIFEST).is_file():
-            raise JobError(f"output directory {self.out} has no {MANIFEST} here: it must be a path every node "
+        if not (self.out / LOCK).is_file():  # the driver holds it from before any actor starts
+            raise JobError(f"output directory {self.out} has no {LOCK} here: it must be a path every node "
                            "shares (see docs/ray.md)")
 
     def ready(self) -> dict:

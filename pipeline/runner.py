@@ -11,11 +11,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
-from .engine import ModelRef, OpenEngine, load_tokenizer, max_context_of, open_engine, read_config, resolve_model
-from .errors import EXIT_OK, EXIT_ROW_ERRORS
+from .engine import (ModelRef, OpenEngine, check_memory_cap, load_tokenizer, max_context_of, open_engine, read_config,
+                     resolve_model)
+from .errors import EXIT_OK, EXIT_ROW_ERRORS, JobError
 from .ids import KeySet, check_ids
 from .inputs import InputSource, open_input
-from .outdir import SUMMARY, OutputState, open_output, write_json_atomic
+from .outdir import SUMMARY, OutputState, open_output, output_in_use, output_lock, start_output, write_json_atomic
 from .packer import length_ordered, requests
 from .plan import Plan, make_plan
 from .progress import Progress
@@ -64,7 +65,7 @@ def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
     if opts.max_memory is not None:
         spec = replace(spec, batch=replace(spec.batch, max_memory=opts.max_memory))
     ref = resolve_model(spec.model.path)
-    source = open_input(spec.input)
+    source = open_input(spec.input, exclude=Path(spec.output.path))  # parts under the input are not input
     plan = make_plan(spec, source, logprobs=spec.generation.logprobs)
     if plan.id_column:
         check_ids(lambda: source.iter_batches([plan.id_column], 65536), plan.id_column, source.label)
@@ -86,15 +87,24 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
     if opts.dry_run:
         return dry_run(job, opts)
     out = Path(job.spec.output.path)
-    state = open_output(out, job.plan, job.manifest, overwrite=opts.overwrite, dry_run=False)
-    if job.spec.engine == "ray":
-        from .ray_engine import run_on_ray
+    with output_lock(out):
+        state = open_output(out, job.plan, job.manifest, overwrite=opts.overwrite)
+        if job.spec.engine == "ray":
+            from .ray_engine import run_on_ray
 
-        return run_on_ray(job, opts, state, started, log)
+            return run_on_ray(job, opts, state, started, log)
+        return run_locally(job, opts, state, engine_factory, started, log)
+
+
+def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_factory: OpenEngine, started: float,
+                log: Log) -> RunResult:
+    """The job in this process, on an output directory this run holds."""
+    out = state.path
     auto = job.spec.model.depth == "auto"
     if auto and not opts.quiet:  # calibration is silent and takes seconds to a minute
         log(f"{job.spec.name}: depth auto: timing the decode passes on this machine first")
     engine = engine_factory(job.ref, job.spec, job.spec.batch.max_memory)
+    start_output(state, job.manifest)
     todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
     if not opts.quiet:
         if auto:
@@ -216,7 +226,12 @@ def _fmt(v) -> str:
 def dry_run(job: Prepared, opts: RunOptions) -> RunResult:
     spec, plan = job.spec, job.plan
     out = Path(spec.output.path)
-    state = open_output(out, plan, job.manifest, overwrite=opts.overwrite, dry_run=True)
+    in_use = output_in_use(out)
+    if in_use:
+        raise JobError(in_use)
+    state = open_output(out, plan, job.manifest, overwrite=opts.overwrite)
+    if spec.batch.max_memory is not None:
+        check_memory_cap(job.ref, spec)
     tokenizer = load_tokenizer(job.ref)
     max_ctx = max_context_of(read_config(job.ref.path))
     encoder = PromptEncoder(spec.prompt, tokenizer)

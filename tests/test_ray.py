@@ -164,35 +164,37 @@ def test_rerun_on_ray_resumes_a_partly_written_local_output(tmp_path, tiny_model
 def test_a_retried_shard_writes_only_the_rows_its_first_attempt_did_not(tmp_path, tiny_model, inputs, reference):
     """ShardWorker without Ray: an attempt that died after writing some parts,
     retried, completes the shard with every row once (no Ray needed)."""
-    from pipeline.outdir import open_output, shard_part_files
+    from pipeline.outdir import open_output, output_lock, shard_part_files, start_output
     from pipeline.prompts import PromptEncoder
     from pipeline.ray_worker import ShardWorker
     from pipeline.reader import read_rows
     from pipeline.runner import RunOptions, prepare
 
     out = tmp_path / "out"
-    job = prepare(load_spec(job_file(tmp_path / "job.toml", tiny_model, inputs, out, engine="ray")), RunOptions())
-    state = open_output(out, job.plan, job.manifest, overwrite=False, dry_run=False)
-    worker = ShardWorker(job.ref, job.spec, job.plan, str(out))
-    assert worker.ready()["error"] is None
+    with output_lock(out):  # as the driver holds it through a run
+        job = prepare(load_spec(job_file(tmp_path / "job.toml", tiny_model, inputs, out, engine="ray")), RunOptions())
+        state = open_output(out, job.plan, job.manifest, overwrite=False)
+        start_output(state, job.manifest)
+        worker = ShardWorker(job.ref, job.spec, job.plan, str(out))
+        assert worker.ready()["error"] is None
 
-    def shard_rows():
-        rows = read_rows(job.source, job.plan, PromptEncoder(job.spec.prompt, worker.engine.tokenizer), state.done)
-        return [r for r, _ in zip(rows, range(10))]
+        def shard_rows():
+            rows = read_rows(job.source, job.plan, PromptEncoder(job.spec.prompt, worker.engine.tokenizer), state.done)
+            return [r for r, _ in zip(rows, range(10))]
 
-    first = worker.run_shard(3, shard_rows())
-    parts = shard_part_files(out, 3)
-    assert first.tally.rows == 10 * N and len(parts) > 2
-    lost = pq.read_metadata(parts[-1]).num_rows
-    parts[-1].unlink()  # the first attempt died before writing its last part...
-    (out / (parts[-1].name + ".tmp")).write_bytes(b"half a part")  # ...while writing it
+        first = worker.run_shard(3, shard_rows())
+        parts = shard_part_files(out, 3)
+        assert first.tally.rows == 10 * N and len(parts) > 2
+        lost = pq.read_metadata(parts[-1]).num_rows
+        parts[-1].unlink()  # the first attempt died before writing its last part...
+        (out / (parts[-1].name + ".tmp")).write_bytes(b"half a part")  # ...while writing it
 
-    retry = worker.run_shard(3, shard_rows())
-    assert retry.skipped == 10 * N - lost and retry.tally.rows == lost
-    assert not list(out.glob("*.tmp"))
-    rows = rows_by_key(out)
-    assert len(rows) == 10 * N
-    assert all(rows[k] == reference[1][k] for k in rows)
+        retry = worker.run_shard(3, shard_rows())
+        assert retry.skipped == 10 * N - lost and retry.tally.rows == lost
+        assert not list(out.glob("*.tmp"))
+        rows = rows_by_key(out)
+        assert len(rows) == 10 * N
+        assert all(rows[k] == reference[1][k] for k in rows)
 
 
 def test_an_actor_that_does_not_see_the_output_directory_refuses_to_start(tmp_path, tiny_model, inputs):
@@ -200,10 +202,10 @@ def test_an_actor_that_does_not_see_the_output_directory_refuses_to_start(tmp_pa
     from pipeline.runner import RunOptions, prepare
 
     job = prepare(load_spec(job_file(tmp_path / "job.toml", tiny_model, inputs, tmp_path / "out")), RunOptions())
-    worker = ShardWorker(job.ref, job.spec, job.plan, str(tmp_path / "not-shared"))  # no manifest.json there
+    worker = ShardWorker(job.ref, job.spec, job.plan, str(tmp_path / "not-shared"))  # no driver's lock there
     error = worker.ready()["error"]
     assert error.startswith(f"on node {worker.node}:") and "every node shares" in error
-    with pytest.raises(JobError, match="manifest.json"):
+    with pytest.raises(JobError, match="mtplx.lock"):
         worker.run_shard(0, [])
 
 
