@@ -9,8 +9,8 @@ model: about 60% of it, in the MLPs, attention, and Qwen's gated-delta conv
 and gated norm), and a fair share of a decode step at batch 16.
 
 Two replacements, because a compiled decode pass and an eager prompt pass
-favour different ones (both computed in float32, so half-precision models
-get exp as precisely as from MLX's own, which also works in float32):
+favour different ones (both in float32; half-precision models keep mlx-lm's
+ops, see `use_fast_activations`):
 - prompt passes (at least `FAST_MIN_POSITIONS` positions per row):
   `fast_exp`, the textbook range reduction exp(x) = 2^n exp(r),
   |r| <= ln2 / 2, a degree-6 polynomial for exp(r) and 2^n built in the
@@ -232,11 +232,27 @@ _fast_classes: dict = {}
 def use_fast_activations(model) -> int:
     """Swap, in place and once, the exp-heavy ops of an MTPModel's trunk and
     head (module docstring) for their faster-exp forms, where MLX runs on
-    the CPU; records and returns the count of modules swapped in
-    `model.info["fast_activations"]`."""
+    the CPU and the model computes in float32; records and returns the count
+    of modules swapped in `model.info["fast_activations"]`.
+
+    A half-precision model keeps mlx-lm's ops: it rounds every op's output to
+    8 (bf16) or 11 (fp16) bits, so an exp off by 1e-6 now and then moves an
+    activation by a whole step, and greedy output off mlx-lm's at near-ties.
+    A random bf16 checkpoint's trunk logits moved by up to 0.031 that way,
+    and mlx-lm's own greedy output on that model object changed in 3 rows of
+    10 (in float32: within 1e-5, the same tokens)."""
     from .gemm_layout import once_on_cpu
 
+    if activation_dtype(model) != mx.float32:
+        return 0
     return once_on_cpu(model, "fast_activations", _swap)
+
+
+def activation_dtype(model) -> mx.Dtype:
+    """The dtype a model's hidden states take: its embedding's (the scales'
+    where the embedding is quantised)."""
+    emb = model.text_model.embed_tokens
+    return emb.scales.dtype if "scales" in emb else emb.weight.dtype
 
 
 def _swap(module) -> int:

@@ -87,6 +87,17 @@ def test_a_swapped_model_computes_what_mlx_lm_computes_and_other_loads_are_untou
     assert not mx.array_equal(new_logits, logits).item()  # the activations did change
 
 
+def test_a_half_precision_model_keeps_mlx_lms_activations_bit_for_bit(tmp_path):
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "q", vocab_size=48))
+    model.trunk.set_dtype(mx.bfloat16)
+    model.head.set_dtype(mx.bfloat16)
+    tokens = mx.array(np.random.default_rng(2).integers(1, 48, (2, 20)), dtype=mx.int32)
+    logits, _ = model.forward(tokens)
+    assert use_fast_activations(model) == 0
+    assert not any(type(m).__name__.startswith("Fast") for _, m in model.trunk.named_modules())
+    assert mx.array_equal(model.forward(tokens)[0], logits).item()
+
+
 def test_decode_passes_take_the_power_form_at_every_batch_size_and_prompt_passes_the_polynomial():
     from mtplx.cpu_activations import FAST_MIN_POSITIONS, conv_silu, fast_silu, step_silu
 
