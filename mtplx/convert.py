@@ -163,10 +163,12 @@ def _check_destination(src: Path, dst: Path, overwrite: bool):
     s, d = src.resolve(), dst.resolve()
     if d == s or d in s.parents:
         raise ValueError(f"destination {dst} would overwrite the source {src}")
+    if s in d.parents:  # the checkpoint would gain a directory of files
+        raise ValueError(f"destination {dst} is inside the source {src}; pick a directory outside it")
     if dst.exists() and not dst.is_dir():
         raise FileExistsError(f"destination {dst} exists and is not a directory")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise FileExistsError(f"destination {dst} exists and is not empty; pass overwrite=True to replace it")
+        raise FileExistsError(f"destination {dst} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
 
 
 def _move_into_place(staging: Path, dst: Path):

@@ -22,6 +22,7 @@ import numpy as np
 from .cache import SlotKVCache, commit_gdn, make_slot_caches
 from .compiled import SlotPass, head_layer
 from .cpu_activations import use_fast_activations
+from .cpu_experts import float32_experts
 from .gemm_layout import lay_out_for_cpu_gemm
 
 
@@ -109,6 +110,7 @@ class BareCostSampler:
     def __init__(self, model, batch_size: int, depths: Sequence[int], context: int, compiled: bool = True):
         lay_out_for_cpu_gemm(model)  # the model as the runtime decodes with it
         use_fast_activations(model)
+        float32_experts(model)
         self.batch_size, self.context, self.depths = batch_size, context, list(depths)
         self.passes = _bare_passes(model, batch_size, self.depths, context, compiled)
         self.times: Dict = {name: [] for name in self.passes}

@@ -30,6 +30,7 @@ from .completion import Completion, Request, error_completion, find_stop_string
 from .decide import decide
 from .draft_chain import DraftChain, HeadPending
 from .cpu_activations import use_fast_activations
+from .cpu_experts import float32_experts
 from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
@@ -55,6 +56,7 @@ class MTPLXRuntime:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         lay_out_for_cpu_gemm(model)
         use_fast_activations(model)
+        float32_experts(model)
         self.model = model
         self.contract = contract
         self.max_batch = max_batch
@@ -62,7 +64,8 @@ class MTPLXRuntime:
         if contract.depth not in (0, "auto") and model.head is None:
             raise ValueError(
                 f"{model.path}: this checkpoint has no MTP head, so it cannot draft "
-                f"(depth={contract.depth!r}); use MTPContract(depth=0) for plain decoding"
+                f"(depth={contract.depth!r}); decode plainly at depth 0 (MTPContract(depth=0), --depth 0) "
+                f"or let depth 'auto' choose"
             )
         self.auto = None  # autodepth.AutoDepth when depth="auto"
         if contract.depth == "auto":

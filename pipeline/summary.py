@@ -118,6 +118,9 @@ def totals_of(out: Path) -> Totals:
     for p in part_files(out):
         try:
             schema = pq.read_schema(p)
+            missing = [c for c in METRIC_COLUMNS if c not in schema.names]
+            if missing:  # a foreign file named like a part
+                raise JobError(f"{p} is not an MTPLX output part: it has no column {missing[0]!r}")
             cols = [c for c in METRIC_COLUMNS + ("score",) if c in schema.names]
             totals.add_part(pq.read_table(p, columns=cols))
         except (OSError, pa.ArrowException, ValueError) as e:

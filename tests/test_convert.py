@@ -299,6 +299,9 @@ def test_destination_inside_the_source_path_is_refused(float_conversion):
         convert(src, src, progress=False, overwrite=True)
     with pytest.raises(ValueError, match="would overwrite the source"):
         convert(src, src.parent, progress=False, overwrite=True)
+    with pytest.raises(ValueError, match="inside the source"):
+        convert(src, src / "sub", progress=False)
+    assert not (src / "sub").exists()
 
 
 def test_invalid_quantisation_options_are_named(float_conversion, tmp_path):

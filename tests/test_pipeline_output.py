@@ -224,3 +224,10 @@ def test_max_memory_sizes_the_runtime(tmp_path, tiny_model):
     assert r.exit_code == 0, r.output
     rt = json.loads((out / "summary.json").read_text())["runtime"]
     assert 1 <= rt["max_batch"] <= 16 and rt["estimated_memory_bytes"] <= 10**9
+
+
+def test_inspect_of_a_foreign_parquet_file_named_like_a_part_is_a_bad_job(tmp_path):
+    d = tmp_path / "foreign"
+    write_parquet(d / "part-00000.parquet", id=["a"], prompt=["the cat"])
+    r = invoke("inspect", d)
+    assert r.exit_code == 2 and "not an MTPLX output part" in r.stderr and "part-00000.parquet" in r.stderr
