@@ -92,3 +92,14 @@ def _short_repr(v, limit: int = 60) -> str:
     # The value goes into an error message (and an output row): keep it a line.
     r = repr(v)
     return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def valid_text(prompt: str) -> str:
+    """A str prompt the tokenizer can take: a lone surrogate (which a Python
+    str can hold, and UTF-8 cannot) makes tokenizers raise a TypeError that
+    would end the whole call instead of the row."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
+    return prompt

@@ -35,7 +35,7 @@ from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
 from .prefill import Prefilled, prefill_by_length
-from .request_checks import PromptError, prompt_list, row_id_list, stop_strings, token_ids
+from .request_checks import PromptError, prompt_list, row_id_list, stop_strings, token_ids, valid_text
 from .sampling import (
     SamplingParams,
     batch_sampling,
@@ -288,7 +288,7 @@ class MTPLXRuntime:
 
     def _encode(self, req: Request) -> List[int]:
         if isinstance(req.prompt, str):
-            ids = self.model.tokenizer.encode(req.prompt)
+            ids = self.model.tokenizer.encode(valid_text(req.prompt))
         else:
             ids = token_ids(req.prompt)
         if not ids:
@@ -421,19 +421,22 @@ class MTPLXRuntime:
         req = row.req
         start = len(row.tokens) - len(new)
         stop_ids = self.eos | set(req.stop_token_ids)
-        for i, t in enumerate(new):
-            if t in stop_ids:
-                del row.tokens[start + i :]  # the stop token itself is not output
-                _trim(row)
-                return self._complete(row, "stop")
+        stop_at = next((start + i for i, t in enumerate(new) if t in stop_ids), None)
         if req.stop:
-            hit = find_stop_string(self.model.tokenizer, row.tokens, req.stop, row.stop_checked)
+            # Only the tokens before a stop id: plain decoding, one token a
+            # cycle, would have met a stop string among them first.
+            upto = len(row.tokens) if stop_at is None else stop_at
+            hit = find_stop_string(self.model.tokenizer, row.tokens[:upto], req.stop, row.stop_checked)
             if hit is not None:
                 m, text = hit
                 del row.tokens[m:]
                 _trim(row)
                 return self._complete(row, "stop", text=text)
-            row.stop_checked = len(row.tokens)
+            row.stop_checked = upto
+        if stop_at is not None:
+            del row.tokens[stop_at:]  # the stop token itself is not output
+            _trim(row)
+            return self._complete(row, "stop")
         if len(row.tokens) >= req.max_tokens:
             del row.tokens[req.max_tokens :]
             _trim(row)

@@ -55,6 +55,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
+    # A row's own seed, mixed into its keys with the job seed and the row id
+    # (DESIGN "Keys"): the same row id, seed and job seed draw the same tokens
+    # in any batch, job or resume. Unlike vLLM's per-request seed it does not
+    # make two rows with different ids draw alike.
     seed: int | None = None
 
     def __post_init__(self):

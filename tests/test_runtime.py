@@ -344,6 +344,24 @@ def test_stop_string_cuts_text_and_ends_tokens_at_the_completing_token(models):
     assert stop in tok.decode(out.tokens) and stop not in tok.decode(out.tokens[:-1])
 
 
+def test_a_stop_string_completed_before_a_stop_id_in_one_cycle_ends_the_row_as_plain_decoding_does(models):
+    """Plain decoding meets tokens one at a time, so a stop string completed
+    before a stop id (or end of sequence) wins; a cycle that accepts both at
+    once must apply them in that order."""
+    model = models["qwen3_5"]
+    prompt = _prompts(1, seed=4, lengths=(6,))[0]
+    ref = MTPLXRuntime(model, MTPContract(depth=0), max_batch=1).generate([prompt], max_tokens=16)[0].tokens
+    spec_rt = MTPLXRuntime(model, MTPContract(depth=3), max_batch=1)
+    plain_rt = MTPLXRuntime(model, MTPContract(depth=0), max_batch=1)
+    cut_by_string = 0
+    for j in range(1, len(ref) - 1):
+        kw = dict(max_tokens=16, stop=[model.tokenizer.decode(ref[j : j + 1])], stop_token_ids=[ref[j + 1]])
+        plain, spec = plain_rt.generate([prompt], **kw)[0], spec_rt.generate([prompt], **kw)[0]
+        assert (spec.finish_reason, spec.tokens, spec.text) == (plain.finish_reason, plain.tokens, plain.text)
+        cut_by_string += plain.text != model.tokenizer.decode(plain.tokens)
+    assert cut_by_string  # some stop string did end a row before its stop id
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "mimo"])
 def test_compiled_decode_passes_emit_what_the_same_ops_run_eagerly_emit(models, family):
     # Compiled passes read attention KV over the whole capacity and fuse

@@ -158,3 +158,9 @@ def test_mtplx_load_names_a_shard_whose_header_has_an_entry_without_offsets(tmp_
     _rewrite_header(shard, _drop_offsets)
     with pytest.raises(CheckpointError, match=f"corrupt safetensors file .*{shard.name}"):
         mtplx.load(path)
+
+
+def test_a_str_prompt_with_a_lone_surrogate_is_that_rows_error_and_the_others_complete(rt):
+    outs = rt.generate(["abc", "a\ud800b", "cab"], max_tokens=3)
+    assert outs[1].finish_reason == "error" and "not valid Unicode" in outs[1].error
+    assert outs[0].error is None and outs[2].error is None and len(outs[0].tokens) == 3
