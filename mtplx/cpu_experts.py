@@ -8,7 +8,9 @@ converts the float experts' weights to float32 once, in place, and has them
 take their input in float32 and give back the input's dtype; every other
 layer keeps the checkpoint's dtype. The experts then take twice their bf16
 memory. Quantised experts (`gather_qmm`) run in any dtype and are left as
-they are.
+they are. `mtplx.load` applies it, so `model.forward` and `model.head` run
+on what it returns; the runtime applies it again, for a model whose dtype
+was changed after loading (experts already converted are left alone).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from .gemm_layout import once_on_cpu
 
 
 class Float32SwitchLinear(SwitchLinear):
@@ -26,8 +27,13 @@ class Float32SwitchLinear(SwitchLinear):
 
 def float32_experts(model) -> int:
     """Convert an MTPModel's half-precision float experts (trunk and head),
-    once and only on the CPU; returns how many layers were converted."""
-    return once_on_cpu(model, "float32_experts", _convert)
+    only on the CPU; returns how many layers this call converted and keeps
+    the running total in `model.info["float32_experts"]`."""
+    if mx.default_device() != mx.cpu:
+        return 0
+    count = sum(_convert(m) for m in (model.trunk, model.head) if m is not None)
+    model.info["float32_experts"] = model.info.get("float32_experts", 0) + count
+    return count
 
 
 def _convert(module) -> int:

@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from .checkpoint import SIDECAR, load_tensors, read_config, shard_files, shard_shapes
+from .cpu_experts import float32_experts
 from .mtp_patch import CheckpointError, FamilyAdapter, family_for
 
 
@@ -105,11 +106,13 @@ def load(path, *, lazy: bool = False) -> MTPModel:
     trunk = _load_trunk(path, family)
     tokenizer = _load_tokenizer(path, config)
     head, info = _load_head(path, config, family, trunk, files, shapes)
+    model = MTPModel(trunk, head, tokenizer, config, family, path, info)
+    float32_experts(model)  # else a half-precision MoE cannot run a forward on the CPU at all
     if not lazy:
         mx.eval(trunk.parameters())
         if head is not None:
             mx.eval(head.parameters())
-    return MTPModel(trunk, head, tokenizer, config, family, path, info)
+    return model
 
 
 def _load_trunk(path: Path, family: FamilyAdapter) -> nn.Module:

@@ -23,3 +23,18 @@ def test_a_bf16_moe_model_decodes_and_speculation_matches_plain_decoding(tmp_pat
     assert [o.tokens for o in spec] == [o.tokens for o in plain]
     hidden = model.forward(mx.array([PROMPTS[1]]))[1]
     assert hidden.dtype == mx.bfloat16  # only the experts compute in float32
+
+
+def test_a_bf16_moe_checkpoint_runs_forward_and_head_straight_after_loading(tmp_path):
+    from mtplx.convert import convert
+
+    src = tiny_checkpoint("deepseek_v3", tmp_path / "src", vocab_size=48)
+    dst = tmp_path / "bf16"
+    convert(src, dst, dtype="bfloat16", progress=False)  # as DeepSeek-V3 ships
+    model = mtplx.load(dst)
+    assert model.info["float32_experts"] > 0
+    tokens = mx.array([PROMPTS[1]])
+    logits, hidden = model.forward(tokens)
+    head_logits, _ = model.head(hidden, tokens)
+    mx.eval(logits, head_logits)
+    assert logits.dtype == mx.bfloat16 and mx.all(mx.isfinite(head_logits)).item()

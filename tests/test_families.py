@@ -395,3 +395,31 @@ def test_quantised_sidecar_head_is_rebuilt_quantised(checkpoints, tmp_path, fami
     assert mx.array_equal(again.head(hidden, tokens)[0], fresh(hidden, tokens)[0]).item()
     # 8-bit stays close to the full-precision head (a broken dequant would not).
     assert close(again.head(hidden, tokens)[0], model.head(hidden, tokens)[0], 0.1)
+
+
+def test_qwen3_5_moe_mtp_experts_stored_one_by_one_load_as_the_fused_ones(tmp_path):
+    """Qwen3.5-35B-A3B and -122B-A10B fuse the trunk's experts but store the
+    MTP layer's one by one (Qwen3.6 fuses both); either gives the same head."""
+    from mtplx.testing import write_shards
+
+    fused = tiny_checkpoint("qwen3_5_moe", tmp_path / "fused", vocab_size=48)
+    tensors = read_shards(fused)
+    mlp = "mtp.layers.0.mlp.experts."
+    gate_up, down = tensors.pop(mlp + "gate_up_proj"), tensors.pop(mlp + "down_proj")  # [E, 2I, H], [E, H, I]
+    I = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):
+        tensors[f"{mlp}{e}.gate_proj.weight"] = gate_up[e, :I]
+        tensors[f"{mlp}{e}.up_proj.weight"] = gate_up[e, I:]
+        tensors[f"{mlp}{e}.down_proj.weight"] = down[e]
+    each = tmp_path / "each"
+    each.mkdir()
+    for f in fused.iterdir():
+        if not f.name.endswith((".safetensors", ".json")) or f.name == "config.json":
+            (each / f.name).write_bytes(f.read_bytes())
+    (each / "config.json").write_text((fused / "config.json").read_text())
+    write_shards(each, tensors, 2)
+    a, b = mtplx.load(fused), mtplx.load(each)
+    hidden = mx.random.normal((1, 5, a.text_model.embed_tokens.weight.shape[1]))
+    tokens = mx.array([[3, 4, 5, 6, 7]])
+    want, got = a.head(hidden, tokens), b.head(hidden, tokens)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(want, got))

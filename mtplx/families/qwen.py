@@ -124,6 +124,8 @@ def _hf_to_head(trunk, args, tensors, shard_shapes, ref, n):
     for j in range(n):
         prefix = f"mtp.layers.{j}."
         layer = {k: v for k, v in tensors.items() if k.startswith(prefix)}
+        if getattr(trunk, "model_type", None) == "qwen3_5_moe":
+            layer = _fused_experts(layer, prefix)
         weights.update(
             sanitize_as_trunk_layer(trunk, layer, prefix, f"model.layers.{ref}.", f"layers.{j}.", trigger)
         )
@@ -135,6 +137,29 @@ def _hf_to_head(trunk, args, tensors, shard_shapes, ref, n):
             v = v + 1.0
         weights[name] = v
     return weights
+
+
+def _fused_experts(layer: Dict[str, mx.array], prefix: str) -> Dict[str, mx.array]:
+    """A Qwen3.5-MoE MTP layer's experts in the fused form its trunk's
+    sanitize takes (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]). The releases fuse the trunk's experts but store the MTP
+    layer's one by one (Qwen3.5-35B-A3B, -122B-A10B; Qwen3.6 fuses both),
+    and vLLM's qwen3_5_mtp.py loads either."""
+    mlp = f"{prefix}mlp.experts."
+    each = re.compile(re.escape(mlp) + r"(\d+)\.(gate|up|down)_proj\.weight$")
+    found = {(int(m.group(1)), m.group(2)): k for k in layer for m in [each.match(k)] if m}
+    if not found:
+        return layer
+    E = 1 + max(e for e, _ in found)
+    missing = [f"{mlp}{e}.{p}_proj.weight" for e in range(E) for p in ("gate", "up", "down") if (e, p) not in found]
+    if missing:
+        raise CheckpointError(f"missing MTP tensor {missing[0]!r}")
+    out = {k: v for k, v in layer.items() if not each.match(k)}
+    out[f"{mlp}gate_up_proj"] = mx.stack(
+        [mx.concatenate([layer[found[(e, "gate")]], layer[found[(e, "up")]]], axis=0) for e in range(E)]
+    )  # [E, 2I, H]
+    out[f"{mlp}down_proj"] = mx.stack([layer[found[(e, "down")]] for e in range(E)])  # [E, H, I]
+    return out
 
 
 # -- verify-time forward of a gated-delta layer --------------------------------
