@@ -23,6 +23,7 @@ from .cache import SlotKVCache, commit_gdn, make_slot_caches
 from .compiled import SlotPass, head_layer
 from .cpu_activations import use_fast_activations
 from .cpu_experts import float32_experts
+from .mla_attention import use_one_mla_form
 from .gemm_layout import lay_out_for_cpu_gemm
 
 
@@ -111,6 +112,7 @@ class BareCostSampler:
         lay_out_for_cpu_gemm(model)  # the model as the runtime decodes with it
         use_fast_activations(model)
         float32_experts(model)
+        use_one_mla_form(model)
         self.batch_size, self.context, self.depths = batch_size, context, list(depths)
         self.passes = _bare_passes(model, batch_size, self.depths, context, compiled)
         self.times: Dict = {name: [] for name in self.passes}

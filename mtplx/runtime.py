@@ -31,6 +31,7 @@ from .decide import decide
 from .draft_chain import DraftChain, HeadPending
 from .cpu_activations import use_fast_activations
 from .cpu_experts import float32_experts
+from .mla_attention import use_one_mla_form
 from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
@@ -57,6 +58,7 @@ class MTPLXRuntime:
         lay_out_for_cpu_gemm(model)
         use_fast_activations(model)
         float32_experts(model)
+        use_one_mla_form(model)
         self.model = model
         self.contract = contract
         self.max_batch = max_batch
