@@ -121,6 +121,8 @@ class BenchPlan:
     def __post_init__(self):
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if len(set(self.batch_sizes)) < len(self.batch_sizes):  # a --prompts count per size would be lost
+            raise ValueError(f"batch sizes repeat: {self.batch_sizes}")
         for d in self.depths:
             if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
                 raise ValueError(f"depths must be ints >= 0 or 'auto', got {d!r}")
@@ -882,10 +884,12 @@ def main(argv=None) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from .bench_report import format_table, require_matplotlib, write_plot
+    from .bench_report import check_writable, format_table, require_matplotlib, write_plot
 
+    check_writable(args.output, "--output")  # fail before the run, not after it
     if args.plot:
-        require_matplotlib()  # fail before the run, not after it
+        require_matplotlib()
+        check_writable(args.plot, "--plot")
     records = run_bench(args.model, **settings_from_args(args))
     Path(args.output).write_text(json.dumps(records, indent=2) + "\n")
     print(format_table(records))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 from .bench_requirements import decode_over_predicted, requirement_lines
@@ -78,6 +79,20 @@ def write_plot(records: Sequence[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def check_writable(path, what: str) -> None:
+    """Fail before a run of minutes, not after it: `path` must be a file this
+    process can create or replace (a ValueError naming it otherwise)."""
+    p = Path(path)
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot write {what} {p}: {e.strerror or e}") from None
+    if not existed:
+        p.unlink()
 
 
 def require_matplotlib():

@@ -134,13 +134,15 @@ def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts,
     that bound what speculation can gain.
     """
     from mtplx.bench import prompts_by_batch_size, run_bench
-    from mtplx.bench_report import format_table, require_matplotlib, write_plot
+    from mtplx.bench_report import check_writable, format_table, require_matplotlib, write_plot
 
-    if plot:
-        try:
+    try:
+        check_writable(output, "--output")
+        if plot:
             require_matplotlib()
-        except (ImportError, RuntimeError) as e:
-            _fail(str(e))
+            check_writable(plot, "--plot")
+    except (ImportError, RuntimeError, ValueError) as e:
+        _fail(str(e))
     try:
         num_prompts = QUICK["num_prompts"] if num_prompts is None else prompts_by_batch_size(num_prompts, batch_sizes)
         records = run_bench(model, batch_sizes=batch_sizes, depths=depths, temperatures=temperatures,

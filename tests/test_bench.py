@@ -251,6 +251,8 @@ def test_plan_rejects_bad_depths_and_sizes():
         BenchPlan((1,), (0, -1), (0.0,), 4, None, 1, 0)
     with pytest.raises(ValueError):
         BenchPlan((0,), (0,), (0.0,), 4, None, 1, 0)
+    with pytest.raises(ValueError, match="repeat"):  # one size's --prompts count would be lost
+        BenchPlan((2, 2), (0,), (0.0,), 4, {2: 3}, 1, 0)
     assert BenchPlan((1,), (1, "auto"), (0.0,), 4, None, 1, 0).cost_depths(3) == [1, 2, 3]
 
 
@@ -559,3 +561,20 @@ def test_mtplx_bench_command_takes_prompts_per_batch_size_and_refuses_a_count_mi
     assert records[0]["prompts"]["per_run"] == {"1": 1, "2": 3}
     bad = CliRunner().invoke(bench_cmd, args + ["--prompts", "1,2,3"])
     assert bad.exit_code != 0 and "one per batch size" in bad.output
+
+
+@pytest.mark.parametrize("option", ["--output", "--plot"])
+def test_an_unwritable_output_or_plot_path_is_refused_before_the_run(tiny_model, tmp_path, option):
+    from click.testing import CliRunner
+
+    from pipeline.model_cli import bench_cmd
+
+    paths = {"--output": str(tmp_path / "b.json"), "--plot": str(tmp_path / "p.png")}
+    paths[option] = str(tmp_path / "no-such-dir" / "x")
+    args = ["--model", str(tiny_model), "--batch-sizes", "1", "--depths", "0", "--temperatures", "0",
+            "--max-tokens", "2", "--repeats", "1", "--quiet", "--output", paths["--output"], "--plot", paths["--plot"]]
+    if option == "--plot":
+        pytest.importorskip("matplotlib")
+    result = CliRunner().invoke(bench_cmd, args)
+    assert result.exit_code == 2 and f"cannot write {option}" in result.output
+    assert "bare costs" not in result.output and not (tmp_path / "b.json").exists()  # nothing ran
