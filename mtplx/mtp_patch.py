@@ -9,6 +9,7 @@ mlx-lm builds the trunk. Each family adapter (in `mtplx/families/`) knows:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Literal, Optional, Union
 
@@ -64,7 +65,7 @@ class MTPContract:
 
 def _int_in(v, lo: int, hi: int) -> bool:
     # bool is an int subclass, but depth=True is a mistake, not depth 1.
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and lo <= v <= hi
 
 
 class CheckpointError(ValueError):

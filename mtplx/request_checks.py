@@ -28,7 +28,7 @@ def positive_int(name: str, v) -> int:
 def stop_strings(stop) -> Tuple[str, ...]:
     """`stop` as a tuple of strings. A lone string is one stop string, as in
     vLLM, not its characters; an empty one would match before any text."""
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)  # any iterable, an array too
     for s in stops:
         if not isinstance(s, str):
             raise TypeError(f"stop strings must be str, got {s!r}")
@@ -70,7 +70,9 @@ def token_ids(prompt) -> List[int]:
     (that row's error), not a whole-call failure or a silent truncation."""
     if isinstance(prompt, bytes) or not isinstance(prompt, abc.Iterable):
         raise PromptError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-    if hasattr(prompt, "tolist"):  # numpy / mlx arrays: Python scalars, checked below
+    if hasattr(prompt, "as_py"):  # a pyarrow list scalar
+        prompt = prompt.as_py()
+    if hasattr(prompt, "tolist"):  # numpy / mlx / pyarrow arrays: Python scalars, checked below
         prompt = prompt.tolist()
         if not isinstance(prompt, list):
             raise PromptError(f"prompt must be a list of token ids, got the scalar {prompt!r}")
@@ -80,6 +82,8 @@ def token_ids(prompt) -> List[int]:
 def token_id(t, i: int) -> int:
     if type(t) is int:  # the common case, kept cheap for long prompts
         return t
+    if hasattr(t, "as_py"):  # a pyarrow scalar
+        t = t.as_py()
     # An integral float (5.0) is the id it spells; bool is an int subclass but never an id.
     if isinstance(t, numbers.Integral) and not isinstance(t, bool):
         return int(t)

@@ -100,9 +100,8 @@ def parquet_files(pattern: str, *, exclude: Optional[Path] = None) -> List[Path]
     elif p.is_dir():
         _refuse_enclosing(p, skip, pattern, exclude)
         files = sorted(f for f in p.rglob("*.parquet") if f.is_file() and not _hidden(f, p))
-    elif p.is_file():
-        _refuse_enclosing(p, skip, pattern, exclude)
-        files = [p]
+    elif p.is_file():  # one file cannot pick up the parts, wherever the output lies
+        return [p]
     else:
         raise JobError(f"input not found: {pattern}")
     found = bool(files)

@@ -164,3 +164,14 @@ def test_a_str_prompt_with_a_lone_surrogate_is_that_rows_error_and_the_others_co
     outs = rt.generate(["abc", "a\ud800b", "cab"], max_tokens=3)
     assert outs[1].finish_reason == "error" and "not valid Unicode" in outs[1].error
     assert outs[0].error is None and outs[2].error is None and len(outs[0].tokens) == 3
+
+
+def test_stop_strings_prompts_and_depths_from_numpy_and_pyarrow_are_taken_as_before(rt):
+    import pyarrow as pa
+
+    plain = rt.generate([GOOD, [8, 9]], max_tokens=4, stop=["zz", "yy"])
+    assert [o.tokens for o in rt.generate([GOOD, [8, 9]], max_tokens=4, stop=np.array(["zz", "yy"]))] == \
+        [o.tokens for o in plain]
+    ids = pa.table({"ids": [GOOD, [8, 9]]})["ids"]  # a ChunkedArray of list<int64>
+    assert [o.tokens for o in rt.generate(ids, max_tokens=4)] == [o.tokens for o in rt.generate([GOOD, [8, 9]], max_tokens=4)]
+    assert MTPContract(depth=np.int64(2), max_depth_auto=np.int64(3)).max_depth_auto == 3
