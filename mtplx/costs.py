@@ -21,10 +21,7 @@ import numpy as np
 
 from .cache import SlotKVCache, commit_gdn, make_slot_caches
 from .compiled import SlotPass, head_layer
-from .cpu_activations import use_fast_activations
-from .cpu_experts import float32_experts
-from .mla_attention import use_one_mla_form
-from .gemm_layout import lay_out_for_cpu_gemm
+from .decode_model import prepare_for_decoding
 
 
 @dataclass
@@ -109,10 +106,7 @@ class BareCostSampler:
     """
 
     def __init__(self, model, batch_size: int, depths: Sequence[int], context: int, compiled: bool = True):
-        lay_out_for_cpu_gemm(model)  # the model as the runtime decodes with it
-        use_fast_activations(model)
-        float32_experts(model)
-        use_one_mla_form(model)
+        prepare_for_decoding(model)  # the model as the runtime decodes with it
         self.batch_size, self.context, self.depths = batch_size, context, list(depths)
         self.passes = _bare_passes(model, batch_size, self.depths, context, compiled)
         self.times: Dict = {name: [] for name in self.passes}

@@ -28,11 +28,8 @@ import numpy as np
 from .compiled import SlotPass
 from .completion import Completion, Request, error_completion, find_stop_string
 from .decide import decide
+from .decode_model import prepare_for_decoding
 from .draft_chain import DraftChain, HeadPending
-from .cpu_activations import use_fast_activations
-from .cpu_experts import float32_experts
-from .mla_attention import use_one_mla_form
-from .gemm_layout import lay_out_for_cpu_gemm
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .mtp_patch import MTPContract
 from .prefill import Prefilled, prefill_by_length
@@ -55,10 +52,7 @@ class MTPLXRuntime:
     def __init__(self, model, contract: MTPContract = MTPContract(), max_batch: int = 8):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        lay_out_for_cpu_gemm(model)
-        use_fast_activations(model)
-        float32_experts(model)
-        use_one_mla_form(model)
+        prepare_for_decoding(model)
         self.model = model
         self.contract = contract
         self.max_batch = max_batch
