@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import re
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,10 @@ def check_writable(out: Path) -> None:
         raise JobError(f"output directory {out} cannot be created: {probe_dir} is not a directory")
     if not os.access(probe_dir, os.W_OK | os.X_OK):
         raise JobError(f"output directory {out} is not writable ({probe_dir} denies writing)")
+    try:  # os.access says yes to root, and on filesystems that refuse files (/proc): try one
+        tempfile.TemporaryFile(dir=probe_dir).close()
+    except OSError as e:
+        raise JobError(f"cannot write to output directory {out}: {e.strerror or e} in {probe_dir}") from None
 
 
 @contextmanager

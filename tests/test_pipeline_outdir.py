@@ -5,8 +5,10 @@ is not read back as input."""
 
 import os
 import shutil
+from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import invoke, write_job, write_parquet
 
@@ -100,3 +102,10 @@ def test_an_output_directory_inside_the_input_directory_resumes_without_reading_
         {k: v for k, v in first.items() if k.startswith("part-")}
     line = one_line(invoke("generate", "--input", data, "--output", data, "--model", tiny_model))
     assert "is the input" in line
+
+
+def test_dry_run_refuses_an_output_directory_where_no_file_can_be_created(tmp_path, tiny_model):
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs /proc, where os.access allows root what the filesystem refuses")
+    job, _ = make_job(tmp_path, tiny_model, out=Path("/proc/mtplx-out"))
+    assert "cannot write to output directory /proc/mtplx-out" in one_line(invoke("run", job, "--dry-run"))
