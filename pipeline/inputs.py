@@ -98,7 +98,10 @@ def parquet_files(pattern: str, *, exclude: Optional[Path] = None) -> List[Path]
     if any(c in pattern for c in _GLOB_CHARS) and not p.exists():
         files = [Path(f) for f in sorted(glob.glob(pattern, recursive=True)) if Path(f).is_file()]
     elif p.is_dir():
-        _refuse_enclosing(p, skip, pattern, exclude)
+        if skip is not None and _inside(p, skip):  # the job's parts would come back as input on every rerun
+            what = "is" if p.resolve() == skip else "contains"
+            raise JobError(f"the output directory {exclude} {what} the input {pattern}; "
+                           "pick an output directory outside it")
         files = sorted(f for f in p.rglob("*.parquet") if f.is_file() and not _hidden(f, p))
     elif p.is_file():  # one file cannot pick up the parts, wherever the output lies
         return [p]
@@ -111,15 +114,6 @@ def parquet_files(pattern: str, *, exclude: Optional[Path] = None) -> List[Path]
         where = f" outside the output directory {exclude}" if found else ""
         raise JobError(f"no Parquet files in input {pattern}{where}")
     return files
-
-
-def _refuse_enclosing(p: Path, skip: Optional[Path], pattern: str, exclude: Optional[Path]) -> None:
-    """An output directory that is, or holds, the input would read the job's
-    own part files back as input on every rerun."""
-    if skip is not None and _inside(p, skip):
-        what = "is" if p.resolve() == skip else "contains"
-        raise JobError(f"the output directory {exclude} {what} the input {pattern}; "
-                       "pick an output directory outside it")
 
 
 def _inside(f: Path, root: Path) -> bool:
