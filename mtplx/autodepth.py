@@ -151,6 +151,19 @@ HOLD_DEEPER = 1.02
 # seven came out at 0.92-1.01 of the best fixed depth.
 SINGLE_ROW_JOB_TOLERANCE = 1.0
 
+# A speculating controller goes off before `min_rows` once even an optimistic
+# reading of what it has seen cannot pay: depth 1's acceptance at the upper
+# end of its Wilson interval at HOPELESS_Z (one-sided, a 0.13% false alarm
+# at any one check), and every deeper draft accepted as often as d_1 (the
+# cumulative rate can only fall with depth). A head that drafts nearly
+# nothing right (one never trained, or prompts far from its training) then
+# costs some 50 row-cycles instead of `min_rows`: on a random tiny qwen3_5
+# checkpoint (acceptance 0.03) auto ran 0.86 of plain greedy decoding at
+# batch 1 over a 24-run bench, 225 of its 655 cycles at depth 1. A false
+# alarm only costs speed until the next probe: greedy output does not depend
+# on the depth.
+HOPELESS_Z = 3.0
+
 # Interleaved rounds of the bare passes timed at calibration (the step's
 # fastest anchors same-round ratios): BARE_ROUNDS_FIRST, then
 # BARE_ROUNDS_BETWEEN after each round of the runtime's own cycles, 15 in
@@ -205,6 +218,16 @@ def best_depth(costs, acceptance: Sequence[float], max_depth: int, margin: float
     return best if max(scores.values()) >= margin else 0
 
 
+def wilson_upper(successes: float, trials: float, z: float) -> float:
+    """Upper end of the Wilson score interval of a rate (1.0 with no trials)."""
+    if trials <= 0:
+        return 1.0
+    p = successes / trials
+    centre = p + z * z / (2 * trials)
+    spread = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    return min(1.0, (centre + spread) / (1 + z * z / trials))
+
+
 def conditional_rates(cumulative: Sequence[float]) -> List[float]:
     """P(d_i accepted | d_1..d_{i-1} accepted) from cumulative rates."""
     out, prev = [], 1.0
@@ -232,7 +255,9 @@ class DepthController:
     better than the prior would otherwise never find out (greedy rows' output
     does not depend on the depth, so a probe only costs time).
     Early cycles of a row accept less than later ones, which is why a single
-    bad spell must not switch it off for good. Rows that lived through an off
+    bad spell must not switch it off for good. Before `min_rows` it goes off
+    only on clear evidence: no depth pays even at the optimistic end of the
+    acceptance seen (`HOPELESS_Z`). Rows that lived through an off
     spell draft from a head history with gaps: that lowers their acceptance,
     never their output. `start_off`: begin with speculation off, as when the
     prior is not predicted to pay by the margin; it then goes on at its
@@ -286,11 +311,15 @@ class DepthController:
         if n == 0:
             return
         decay = 0.5 ** (n / self.half_life_rows)
+        self.rows_seen += n
+        if not drafted.any():  # a plain cycle: nothing to count, the evidence fades
+            self.reached *= decay
+            self.passed *= decay
+            return
         i = np.arange(1, self.max_depth + 1)[None, :]  # [1, K]
         reached = (accepted[:, None] >= i - 1) & (drafted[:, None] >= i)  # [n, K]
         self.reached = decay * self.reached + reached.sum(axis=0)
         self.passed = decay * self.passed + (accepted[:, None] >= i).sum(axis=0)
-        self.rows_seen += n
 
     def acceptance(self) -> List[float]:
         """Current cumulative acceptance estimate by depth."""
@@ -308,6 +337,8 @@ class DepthController:
         if self._explore_left > 0:
             self._explore_left -= 1
             return self._explore_depth
+        if self.off and (self.rows_seen < self.retry_rows or draining):
+            return 0  # nothing to decide before a probe is due; a tiny model's cycle lasts under 1 ms
         acc = self.acceptance()
         costs = self.timing.costs() if self.timed else self.costs
         scores = {k: predicted_speedup(costs, acc, k) for k in range(1, self.max_depth + 1)}
@@ -319,23 +350,33 @@ class DepthController:
             best = current  # a deeper depth is kept only while it stays clearly ahead
         pays = max(scores.values()) >= SPECULATION_MARGIN
         keeps = pays if self.probing else max(scores.values()) >= KEEP_SPECULATING_ABOVE
+        hopeless = not self.off and self._hopeless(costs)
         going_off = not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows)
+        going_off = going_off or hopeless
         # Timed, it first measures plain decoding beside the depth it runs:
         # that comparison decides whether speculation pays.
-        measure_plain = going_off and self.timed and self.explore_every > 0 and not self.probing and (
+        measure_plain = going_off and not hopeless and self.timed and self.explore_every > 0 and not self.probing and (
             self.timing.pair_count(0, best) < self.timing.min_pairs and self._plain_bursts < MEASURE_PLAIN_BURSTS)
         if not going_off:
             self._plain_bursts = 0
         if self.off and self.rows_seen >= self.retry_rows and not draining:
             self.off, self.rows_seen, self.probing = False, 0, True
         elif going_off and not measure_plain:
-            self.off, self.rows_seen = True, 0
+            self.off, self.rows_seen, self._plain_bursts = True, 0, 0
         if pays:
             self.probing = False
         if self.off:
             return 0
         self._current = best
         return self._maybe_explore(best, measure_plain)
+
+    def _hopeless(self, costs) -> bool:
+        """Whether even an optimistic reading of the acceptance seen (HOPELESS_Z)
+        predicts no depth to beat plain decoding."""
+        best_case = wilson_upper(self.passed[0], self.reached[0], HOPELESS_Z)
+        optimistic = [best_case] * self.max_depth  # every draft as likely as d_1
+        return all(predicted_speedup(costs, optimistic, k) < KEEP_SPECULATING_ABOVE
+                   for k in range(1, self.max_depth + 1))
 
     def _maybe_explore(self, best: int, measure_plain: bool) -> int:
         """`best`, or the first cycle of a burst at a neighbouring depth when

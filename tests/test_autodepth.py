@@ -143,6 +143,29 @@ def test_controller_switches_speculation_off_when_nothing_is_accepted_and_retrie
     assert c.choose() > 0  # 1,200 row-cycles later the prior speaks again
 
 
+def test_a_head_that_drafts_almost_nothing_right_goes_off_long_before_min_rows():
+    # Depth 1 pays above a = 0.4 ((1 + a) x 10 / 14); deeper depths cost more.
+    costs = _costs(10.0, {1: 14.0, 2: 17.0, 3: 20.0}, 0.0)
+    for a, off_within in ((0.0, 64), (0.03, 96)):
+        c = DepthController(costs, prior=[0.7, 0.5, 0.3], max_depth=3, min_rows=256)
+        assert c.choose() > 0
+        rows = 0
+        while c.choose() > 0:
+            accepted = (np.random.default_rng(rows).random(4) < a).astype(np.int64)
+            c.observe(accepted, np.full(4, 3))
+            rows += 4
+            assert rows <= off_within, (a, c.acceptance())
+        assert rows >= 16  # not on a handful of rows
+    # At an acceptance where speculation pays a little, or a little less than
+    # break-even, the evidence is not clear: it keeps speculating until min_rows.
+    for a in (0.5, 0.3):
+        c = DepthController(costs, prior=[0.7, 0.5, 0.3], max_depth=3, min_rows=256)
+        for cycle in range(60):  # 240 row-cycles, a of them accepting d_1
+            assert c.choose() > 0, (a, cycle, c.acceptance())
+            r = 4 * cycle + np.arange(5)
+            c.observe(np.diff(np.floor(r * a)).astype(np.int64), np.full(4, 3))
+
+
 def test_an_off_controller_probes_and_stays_on_only_if_the_running_acceptance_pays():
     costs = _costs(10.0, {1: 14.0, 2: 17.0, 3: 20.0}, 0.0)
     poor_prior = [0.3, 0.1, 0.03]  # depth 1: 1.3 x 10 / 14 = 0.93, no depth pays
