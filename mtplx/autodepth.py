@@ -164,6 +164,14 @@ SINGLE_ROW_JOB_TOLERANCE = 1.0
 # on the depth.
 HOPELESS_Z = 3.0
 
+# Each probe that ends with speculation off doubles the wait before the next,
+# up to this many times `retry_rows`; a probe that pays resets it. Where the
+# head drafts nearly nothing right, every probe costs some 50 row-cycles
+# at a speculating cycle's price (1.4x plain on a tiny checkpoint at batch
+# 1): 2% of a job at one probe per 1,024 row-cycles, 0.3% at one per 8,192.
+# A job whose prompts start to accept later finds out within that wait.
+MAX_RETRY_BACKOFF = 8
+
 # Interleaved rounds of the bare passes timed at calibration (the step's
 # fastest anchors same-round ratios): BARE_ROUNDS_FIRST, then
 # BARE_ROUNDS_BETWEEN after each round of the runtime's own cycles, 15 in
@@ -253,7 +261,8 @@ class DepthController:
     `retry_rows` row-cycles off, speculation is tried again for at least
     `probe_rows` row-cycles whatever the estimate: a job whose prompts accept
     better than the prior would otherwise never find out (greedy rows' output
-    does not depend on the depth, so a probe only costs time).
+    does not depend on the depth, so a probe only costs time). Probes that
+    fail come ever less often (`MAX_RETRY_BACKOFF`).
     Early cycles of a row accept less than later ones, which is why a single
     bad spell must not switch it off for good. Before `min_rows` it goes off
     only on clear evidence: no depth pays even at the optimistic end of the
@@ -282,9 +291,11 @@ class DepthController:
         self.prior_reached = np.full(max_depth, prior_weight)  # [K]
         self.passed = np.zeros(max_depth)  # [K]
         self.reached = np.zeros(max_depth)  # [K]
+        self._unfaded_rows = 0  # row-cycles whose decay is not applied to the counts yet
         self.half_life_rows = half_life_rows
         self.min_rows = min_rows
         self.retry_rows = retry_rows
+        self._retry_after = retry_rows  # row-cycles off before the next probe (backs off)
         self.probe_rows = probe_rows
         self.probing = False  # on for a probe, not because the estimate pays
         self.rows_seen = 0  # row-cycles since speculation last went on or off
@@ -310,19 +321,28 @@ class DepthController:
         n = len(accepted)
         if n == 0:
             return
-        decay = 0.5 ** (n / self.half_life_rows)
         self.rows_seen += n
+        self._unfaded_rows += n
         if not drafted.any():  # a plain cycle: nothing to count, the evidence fades
-            self.reached *= decay
-            self.passed *= decay
             return
+        self._fade()
         i = np.arange(1, self.max_depth + 1)[None, :]  # [1, K]
         reached = (accepted[:, None] >= i - 1) & (drafted[:, None] >= i)  # [n, K]
-        self.reached = decay * self.reached + reached.sum(axis=0)
-        self.passed = decay * self.passed + (accepted[:, None] >= i).sum(axis=0)
+        self.reached = self.reached + reached.sum(axis=0)
+        self.passed = self.passed + (accepted[:, None] >= i).sum(axis=0)
+
+    def _fade(self) -> None:
+        """Decay the counts for the row-cycles seen since the last fade (kept
+        lazy: off, a cycle would otherwise pay for it while nothing reads them)."""
+        if self._unfaded_rows:
+            decay = 0.5 ** (self._unfaded_rows / self.half_life_rows)
+            self.reached = decay * self.reached
+            self.passed = decay * self.passed
+            self._unfaded_rows = 0
 
     def acceptance(self) -> List[float]:
         """Current cumulative acceptance estimate by depth."""
+        self._fade()
         cond = (self.prior_passed + self.passed) / (self.prior_reached + self.reached)
         return [float(x) for x in np.cumprod(cond)]
 
@@ -337,7 +357,7 @@ class DepthController:
         if self._explore_left > 0:
             self._explore_left -= 1
             return self._explore_depth
-        if self.off and (self.rows_seen < self.retry_rows or draining):
+        if self.off and (self.rows_seen < self._retry_after or draining):
             return 0  # nothing to decide before a probe is due; a tiny model's cycle lasts under 1 ms
         acc = self.acceptance()
         costs = self.timing.costs() if self.timed else self.costs
@@ -359,12 +379,15 @@ class DepthController:
             self.timing.pair_count(0, best) < self.timing.min_pairs and self._plain_bursts < MEASURE_PLAIN_BURSTS)
         if not going_off:
             self._plain_bursts = 0
-        if self.off and self.rows_seen >= self.retry_rows and not draining:
+        if self.off and self.rows_seen >= self._retry_after and not draining:
             self.off, self.rows_seen, self.probing = False, 0, True
         elif going_off and not measure_plain:
             self.off, self.rows_seen, self._plain_bursts = True, 0, 0
+            if self.probing:  # a failed probe: wait longer for the next
+                self._retry_after = min(2 * self._retry_after, MAX_RETRY_BACKOFF * self.retry_rows)
         if pays:
             self.probing = False
+            self._retry_after = self.retry_rows
         if self.off:
             return 0
         self._current = best
@@ -373,6 +396,7 @@ class DepthController:
     def _hopeless(self, costs) -> bool:
         """Whether even an optimistic reading of the acceptance seen (HOPELESS_Z)
         predicts no depth to beat plain decoding."""
+        self._fade()
         best_case = wilson_upper(self.passed[0], self.reached[0], HOPELESS_Z)
         optimistic = [best_case] * self.max_depth  # every draft as likely as d_1
         return all(predicted_speedup(costs, optimistic, k) < KEEP_SPECULATING_ABOVE

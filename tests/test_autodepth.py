@@ -182,6 +182,39 @@ def test_an_off_controller_probes_and_stays_on_only_if_the_running_acceptance_pa
         assert (k > 0) == stays_on, (accepted, c.acceptance())
 
 
+def test_failed_probes_come_ever_less_often_until_one_pays():
+    costs = _costs(10.0, {1: 14.0, 2: 17.0, 3: 20.0}, 0.0)  # depth 1 pays above a = 0.4
+
+    def rows_until_probe(c):
+        rows = 0
+        while c.choose() == 0:
+            _cycle(c, rows=8, accepted=0, drafted=0)
+            rows += 8
+            assert rows <= 10_000
+        return rows
+
+    def probe(c, accepted):  # until the probe ends: off again, or on for good
+        for _ in range(40):
+            _cycle(c, rows=8, accepted=accepted, drafted=1)
+            if c.choose() == 0 or not c.probing:
+                return
+
+    c = DepthController(costs, [0.3, 0.1, 0.03], 3, retry_rows=256, probe_rows=64, start_off=True)
+    waits = []
+    for _ in range(5):
+        waits.append(rows_until_probe(c))
+        probe(c, accepted=0)
+    assert waits == [256, 512, 1024, 2048, 2048]  # doubled, up to MAX_RETRY_BACKOFF x retry_rows
+    assert rows_until_probe(c) == 2048
+    probe(c, accepted=1)  # this probe pays: speculation stays on
+    assert c.choose() > 0 and not c.probing
+    for _ in range(40):  # the prompts stop accepting: off again, and the next probe comes at retry_rows
+        _cycle(c, rows=8, accepted=0, drafted=1)
+        if c.choose() == 0:
+            break
+    assert rows_until_probe(c) == 256
+
+
 def test_an_off_controller_does_not_probe_while_its_batch_drains():
     costs = _costs(10.0, {1: 14.0, 2: 17.0, 3: 20.0}, 0.0)
     c = DepthController(costs, [0.3, 0.1, 0.03], 3, retry_rows=256, probe_rows=64, start_off=True)
