@@ -32,6 +32,7 @@ from typing import NamedTuple, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mtplx.cpu_activations import pow_exp
 from mtplx.mtp_batch_numerics import (
     ZERO_MASS_TOL,
     log_softmax_f32,
@@ -329,10 +330,21 @@ def target_probs(logits: mx.array, bs: BatchSampling) -> mx.array:
     else:
         if bs.any_filter:  # the full-vocabulary sort only when some row filters
             z = _filter_logits(z, col(bs.top_k), col(bs.top_p), col(bs.min_p))
-        probs = mx.softmax(z, axis=-1)  # [B, T, V]
+        probs = _softmax_f32(z)  # [B, T, V]
         probs = mx.where(greedy, _one_hot(_lowest_argmax(x), V), probs)
     broken = mx.any(mx.isnan(x) | (x == mx.inf), axis=-1, keepdims=True)  # [B, T, 1]
     return mx.where(broken, mx.nan, probs)
+
+
+def _softmax_f32(z: mx.array) -> mx.array:
+    """Softmax over the last axis of float32 z with exp as 2^(z log2 e)
+    (`cpu_activations.pow_exp`): within 3.7e-6 of exp, as MLX's own CPU exp
+    is, and several times faster there. mx.softmax took 108 us of a 236 us
+    sampled token decision at batch 16 over the built-in model's 512 tokens
+    (about 2% of a decode cycle per softmax; a drafting cycle takes k + 1).
+    Masked (-inf) entries come out exactly 0."""
+    e = pow_exp(z - mx.max(z, axis=-1, keepdims=True))
+    return e / mx.sum(e, axis=-1, keepdims=True)
 
 
 def _per_row(mask, ndim: int) -> mx.array:
@@ -478,6 +490,8 @@ def speculative_accept(
         nv = mx.full((B,), k, dtype=mx.int32)
     else:
         nv = mx.clip(mx.array(num_valid).astype(mx.int32).reshape(B), 0, k)  # [B]
+    if k == 0:  # no drafts: what each rule reduces to, without the empty [B, 0] ops (0.14 ms at batch 16)
+        return mx.zeros((B,), dtype=mx.int32), sample_plain(p, keys, rule)[:, 0]
     valid = mx.arange(k, dtype=mx.int32)[None, :] < nv[:, None]  # [B, k]
     draft = draft.astype(mx.int32)
 
