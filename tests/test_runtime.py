@@ -318,6 +318,18 @@ def test_coupled_rule_output_is_independent_of_depth(models):
     assert outs[0] == outs[1] == outs[2] == outs[3]
 
 
+def test_a_tiny_positive_temperature_decodes_as_greedy_at_every_depth(models):
+    # Logits / 1e-40 overflow float32: the rows once came out empty, "stop".
+    model = models["qwen3_5"]
+    prompts = _prompts(4, seed=13)
+    greedy = MTPLXRuntime(model, MTPContract(depth=0), max_batch=4).generate(prompts, max_tokens=10)
+    assert sum(len(o.tokens) for o in greedy) >= 20
+    for depth in (0, 2):
+        outs = MTPLXRuntime(model, MTPContract(depth=depth), max_batch=4).generate(
+            prompts, sampling=SamplingParams(temperature=1e-40), max_tokens=10, seed=3)
+        assert [(o.tokens, o.finish_reason) for o in outs] == [(o.tokens, o.finish_reason) for o in greedy], depth
+
+
 def test_n_samples_share_a_prefill_and_differ(models):
     model = models["qwen3_5"]
     rt = MTPLXRuntime(model, MTPContract(depth=2), max_batch=4)

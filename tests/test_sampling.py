@@ -447,6 +447,15 @@ def test_target_probs_applies_each_rows_temperature_top_k_top_p_min_p():
     assert (got[3] > 0).sum(-1).tolist() == [1, 1]  # top_k=1
 
 
+def test_a_tiny_temperature_samples_the_argmax_instead_of_overflowing_to_nan():
+    # x / 1e-40 overflows float32; the distribution must still be the argmax's.
+    logits = mx.array([[[3.0, 1.0, 2.5, -4.0]], [[0.5, 0.7, 0.6, 0.1]]])  # [2, 1, 4]
+    for t in (1e-30, 1e-40, 1e-45):
+        for sp in (SamplingParams(t), SamplingParams(t, top_k=2, top_p=0.9, min_p=0.1)):
+            p = np.array(target_probs(logits, batch_sampling([sp, sp])))
+            np.testing.assert_array_equal(p[:, 0], [[1, 0, 0, 0], [0, 1, 0, 0]], err_msg=f"{sp}")
+
+
 def test_target_probs_keeps_masked_logits_at_zero_probability():
     logits = mx.array([[0.0, -mx.inf, 1.0, -mx.inf]])
     for sp in (SamplingParams(1.0), SamplingParams(1.0, top_k=3, top_p=0.99)):
