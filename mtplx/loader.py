@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,12 +130,32 @@ def _load_trunk(path: Path, family: FamilyAdapter) -> nn.Module:
 
 
 def _load_tokenizer(path: Path, config: dict):
-    from mlx_lm.utils import load_tokenizer
-
     try:
-        return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        return load_tokenizer(path, config)
     except Exception as e:
         raise CheckpointError(f"cannot load the tokenizer from {path}: {e}") from None
+
+
+def load_tokenizer(path: Path, config: dict):
+    """The checkpoint's tokenizer as mlx-lm loads it, never running code
+    shipped with the checkpoint: a release whose config names its own
+    classes (`auto_map`: MiMo, DeepSeek-V3) otherwise makes transformers
+    ask on a terminal whether to run them, and wait 15 s for an answer.
+    End-of-sequence ids are generation_config.json's where it names them,
+    else config.json's, as `mlx_lm.load` takes them."""
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    return mlx_load_tokenizer(path, {"trust_remote_code": False}, eos_token_ids=eos_token_ids(path, config))
+
+
+def eos_token_ids(path: Path, config: dict):
+    """generation_config.json's eos_token_id where it has one, else config.json's."""
+    try:
+        generation = json.loads((Path(path) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        generation = {}
+    found = generation.get("eos_token_id") if isinstance(generation, dict) else None
+    return found if found not in (None, False, []) else config.get("eos_token_id")
 
 
 def _load_head(path, config, family, trunk, files, shapes):

@@ -94,11 +94,11 @@ def max_context_of(config: dict) -> Optional[int]:
 
 def load_tokenizer(ref: ModelRef):
     """The tokenizer alone, without the weights (dry runs)."""
-    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+    from mtplx.loader import load_tokenizer as load_checkpoint_tokenizer
 
     config = read_config(ref.path)
     try:
-        return mlx_load_tokenizer(ref.path, eos_token_ids=config.get("eos_token_id"))
+        return load_checkpoint_tokenizer(ref.path, config)
     except Exception as e:  # transformers raises many types
         raise JobError(f"cannot load the tokenizer of {ref.path}: {e}") from None
 

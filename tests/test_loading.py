@@ -194,3 +194,59 @@ def test_missing_model_path_is_named(tmp_path):
 def test_tiny_checkpoint_rejects_an_unknown_family(tmp_path):
     with pytest.raises(ValueError, match="deepseek_v3"):
         tiny_checkpoint("llama", tmp_path)
+
+
+def test_end_of_sequence_ids_come_from_generation_config_as_mlx_lm_takes_them(tmp_path):
+    path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=VOCAB)
+    model = mtplx.load(path)
+    assert model.eos_token_ids == {0}  # config.json's
+    plain = mtplx.MTPLXRuntime(model, mtplx.MTPContract(depth=0), max_batch=1).generate([[3, 4]], max_tokens=12)[0]
+    assert len(plain.tokens) >= 3
+    stop = plain.tokens[2]  # a token the row emits third
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, stop]}))
+    model = mtplx.load(path)
+    assert model.eos_token_ids == {0, stop}
+    assert set(mlx_lm.load(str(path))[1].eos_token_ids) == {0, stop}
+    out = mtplx.MTPLXRuntime(model, mtplx.MTPContract(depth=0), max_batch=1).generate([[3, 4]], max_tokens=12)[0]
+    assert out.finish_reason == "stop"
+    assert out.tokens == plain.tokens[: plain.tokens.index(stop)]
+
+
+def test_a_release_that_names_its_own_code_loads_on_a_terminal_without_asking_to_run_it(tmp_path):
+    # MiMo and DeepSeek-V3 releases name their own Python classes in
+    # config.json (auto_map); transformers asked on a terminal whether to
+    # run them and waited 15 s for an answer.
+    pty = pytest.importorskip("pty")
+    import os
+    import select
+    import sys
+    import time
+
+    path = tiny_checkpoint("mimo", tmp_path / "m", vocab_size=VOCAB)
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_mimo.MiMoConfig"}
+    (path / "config.json").write_text(json.dumps(config))
+    ran = tmp_path / "ran"
+    (path / "configuration_mimo.py").write_text(
+        f"open({str(ran)!r}, 'w').write('ran')\n"
+        "from transformers import PretrainedConfig\n\n\nclass MiMoConfig(PretrainedConfig):\n    model_type = 'mimo'\n")
+    script = f"import mtplx; mtplx.load({str(path)!r}); print('LOADED')"
+    t0 = time.perf_counter()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a process whose stdin is a terminal
+        os.execv(sys.executable, [sys.executable, "-c", script])
+    out = b""
+    while time.perf_counter() - t0 < 60:
+        ready, _, _ = select.select([fd], [], [], 60)
+        try:
+            chunk = os.read(fd, 4096) if ready else b""
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert "LOADED" in text and "custom code" not in text, text[-2000:]
+    assert time.perf_counter() - t0 < 12  # no 15 s wait for an answer
+    assert not ran.exists()
