@@ -97,10 +97,14 @@ class BatchSampling(NamedTuple):
     all_greedy: bool = False
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def batch_sampling(params: Sequence[SamplingParams]) -> BatchSampling:
     return BatchSampling(
         temperature=mx.array([float(s.temperature) for s in params], dtype=mx.float32),
-        top_k=mx.array([int(s.top_k) for s in params], dtype=mx.int32),
+        # A top_k past int32 keeps every token, as any top_k past the vocabulary does.
+        top_k=mx.array([min(int(s.top_k), _INT32_MAX) for s in params], dtype=mx.int32),
         top_p=mx.array([float(s.top_p) for s in params], dtype=mx.float32),
         min_p=mx.array([float(s.min_p) for s in params], dtype=mx.float32),
         greedy=mx.array([s.greedy for s in params], dtype=mx.bool_),

@@ -155,7 +155,8 @@ def _with_engine(spec, engine, address, actors):
 @click.option("--messages-column", default=None, help="Use a column of chat messages instead (OpenAI format; the "
                                                       "tokenizer's chat template is applied).")
 @click.option("--id-column", default=None,
-              help="Column of unique row ids [default: `id` when the input has one, else the row index].")
+              help="Column of unique row ids [default: `id` when the input has one, else the row index]; "
+                   "'' keys the rows by row index even when the input has an `id` column.")
 @click.option("--keep-column", "keep_columns", multiple=True, help="Input column to copy into the output (repeatable).")
 @click.option("--depth", type=DepthType(), default=2, show_default=True,
               help="MTP draft tokens per cycle; 0 decodes plainly; 'auto' picks from a cost model.")
@@ -191,9 +192,10 @@ def generate_cmd(input_path, output_path, model, prompt_column, messages_column,
         "batch": {"max_batch": batch_size},
         "output": {"path": str(output_path), "flush_rows": flush_rows},
     }
-    doc["input"]["id_column"] = id_column or _default_id_column(input_path, output_path)
-    if doc["input"]["id_column"] is None:
-        del doc["input"]["id_column"]
+    if id_column is None:
+        id_column = _default_id_column(input_path, output_path)
+    if id_column:  # "" keys the rows by row index, as a job leaving id_column unset does
+        doc["input"]["id_column"] = id_column
     spec = spec_from_dict(doc)
     _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
 

@@ -108,7 +108,7 @@ def check_ids(make_batches: Callable[[], Iterable[pa.RecordBatch]], column: str,
         raise JobError(
             f"duplicate ids in column {column!r} of {label}: rows {rows[0]} and {rows[1]} share {what} "
             f"({len(dup)} repeat{'s' if len(dup) > 1 else ''} in all); ids must be unique because output rows "
-            "and resume are keyed by them (leave [input] id_column unset to key rows by row index)"
+            "and resume are keyed by them (leave [input] id_column unset, or pass --id-column '', to key rows by row index)"
         )
     return seen
 

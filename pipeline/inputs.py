@@ -45,10 +45,10 @@ class InputSource:
                 i = schema.get_field_index(c)
                 if i < 0:
                     raise JobError(f"Parquet file {f} has no column {c!r} (columns: {', '.join(schema.names)})")
-                if value_type(schema.field(i).type) != self.schema.field(c).type:
+                if not _agrees(schema.field(i).type, self.schema.field(c).type):
                     raise JobError(
-                        f"column {c!r} is {schema.field(i).type} in {f} but {self.file_schemas[0].field(c).type} "
-                        f"in {self.files[0]}; all input files must agree"
+                        f"column {c!r} is {schema.field(i).type} in {f} but {self.schema.field(c).type} "
+                        f"in {self.files[_typed_by(self.file_schemas, c)]}; all input files must agree"
                     )
 
     def iter_batches(self, columns: Sequence[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
@@ -59,7 +59,8 @@ class InputSource:
             yield from _checked(_dataset_batches(self.dataset, columns, batch_rows), strict, self.label)
             return
         for f in self.files:
-            yield from _checked(_file_batches(f, columns, batch_rows), strict, str(f))
+            batches = (_typed_as(b, self.schema) for b in _file_batches(f, columns, batch_rows))
+            yield from _checked(batches, strict, str(f))
 
 
 def open_input(spec: InputSpec, *, exclude: Optional[Path] = None) -> InputSource:
@@ -76,9 +77,46 @@ def open_input(spec: InputSpec, *, exclude: Optional[Path] = None) -> InputSourc
         rows += meta.num_rows
         prints.append(_file_fingerprint(f, root, meta.num_rows))
     return InputSource(
-        label=spec.path, schema=decoded_schema(schemas[0]), num_rows=rows, files=files, file_schemas=schemas,
+        label=spec.path, schema=_reference_schema(schemas), num_rows=rows, files=files, file_schemas=schemas,
         fingerprint={"kind": "parquet", "files": prints}, id_column=spec.id_column,
     )
+
+
+def _reference_schema(schemas: List[pa.Schema]) -> pa.Schema:
+    """The first file's schema, decoded, except that a column of null type
+    there (pandas writes an empty file's string column so) takes its type
+    from the first file that has one."""
+    fields = []
+    for f in decoded_schema(schemas[0]):
+        if pa.types.is_null(f.type):
+            i = _typed_by(schemas, f.name)
+            f = f.with_type(value_type(schemas[i].field(f.name).type))
+        fields.append(f)
+    return pa.schema(fields, metadata=schemas[0].metadata)
+
+
+def _typed_by(schemas: List[pa.Schema], name: str) -> int:
+    """Index of the first schema whose column `name` has a type other than null (else 0)."""
+    for i, schema in enumerate(schemas):
+        j = schema.get_field_index(name)
+        if j >= 0 and not pa.types.is_null(schema.field(j).type):
+            return i
+    return 0
+
+
+def _agrees(file_type: pa.DataType, reference: pa.DataType) -> bool:
+    """A file's column can be read as the reference type: the same values
+    (dictionary encoding aside), or all null."""
+    return value_type(file_type) == reference or pa.types.is_null(file_type)
+
+
+def _typed_as(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """`batch` with its null-typed columns as the reference schema's nulls."""
+    if not any(pa.types.is_null(t) for t in batch.schema.types):
+        return batch
+    columns = [pa.nulls(len(c), schema.field(name).type) if pa.types.is_null(c.type) else c
+               for name, c in zip(batch.schema.names, batch.columns)]
+    return pa.RecordBatch.from_arrays(columns, names=batch.schema.names)
 
 
 def decoded_schema(schema: pa.Schema) -> pa.Schema:
@@ -237,8 +275,8 @@ def _checked(batches: Iterator[pa.RecordBatch], id_column: Optional[str], where:
             bad = first_invalid_text(batch.column(id_column))
             if bad is not None:
                 raise JobError(f"id column {id_column!r} of {where} holds an id that is not valid UTF-8 "
-                               f"(row {seen + bad}); fix the input, or leave [input] id_column unset to key "
-                               "rows by row index")
+                               f"(row {seen + bad}); fix the input, or leave [input] id_column unset (--id-column '') "
+                               "to key rows by row index")
         seen += batch.num_rows
         yield batch
 

@@ -52,7 +52,11 @@ class PromptEncoder:
             if row[name] is None:
                 return None, f"column {name!r} is null"
             values[name] = row[name]
-        return _check_text(s.templates[template_index].format_map(values), "rendered template")
+        try:
+            text = s.templates[template_index].format_map(values)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:  # a format spec this row's values do not take
+            return None, f"cannot render the template: {type(e).__name__}: {e}"
+        return _check_text(text, "rendered template")
 
     def _encode(self, rendered: Rendered) -> List[int]:
         tok = self.tokenizer

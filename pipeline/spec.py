@@ -8,6 +8,7 @@ so a job runs the same from cron as from the repository root.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import re
@@ -246,11 +247,15 @@ def template_fields(where: str, template: str) -> Tuple[str, ...]:
     except ValueError as e:
         raise JobError(f"{where}: invalid template ({e})") from None
     names = []
-    for _, name, _, _ in parsed:
+    for _, name, format_spec, conversion in parsed:
         if name is None:
             continue
         if name == "" or name.isdigit() or any(c in name for c in ".[]"):
             raise JobError(f"{where}: template fields must name a column, like {{question}}; got {{{name}}}")
+        if conversion not in (None, "s", "r", "a"):
+            raise JobError(f"{where}: {{{name}!{conversion}}} has an unknown conversion (use !s, !r or !a)")
+        if "{" in (format_spec or ""):
+            raise JobError(f"{where}: {{{name}:{format_spec}}} nests a field in its format spec; write it out")
         names.append(name)
     if not names:
         raise JobError(f"{where}: the template uses no column (write fields like {{question}})")
@@ -354,14 +359,18 @@ def _resolve(base: Path, p: Optional[str], *, glob_ok=False) -> Optional[str]:
     if p is None:
         return None
     q = Path(p).expanduser()
-    return os.path.normpath(q if q.is_absolute() else base / q)
+    if q.is_absolute():
+        return os.path.normpath(q)
+    if glob_ok and any(c in p for c in "*?["):  # the spec's own directory may hold [ ] * ?: not part of the pattern
+        return os.path.normpath(os.path.join(glob.escape(str(base)), str(q)))
+    return os.path.normpath(base / q)
 
 
 def _resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
     model = replace(spec.model, path=_resolve(base, spec.model.path))
     inp = spec.input
     if inp.path is not None:
-        inp = replace(inp, path=_resolve(base, inp.path))
+        inp = replace(inp, path=_resolve(base, inp.path, glob_ok=True))
     if inp.dataset is not None and (base / inp.dataset).exists():
         inp = replace(inp, dataset=str(base / inp.dataset))
     out = replace(spec.output, path=_resolve(base, spec.output.path) if spec.output.path else "")
@@ -392,11 +401,13 @@ def check_spec(spec: JobSpec) -> None:
 def load_spec(path) -> JobSpec:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise JobError(f"job spec not found: {path}") from None
     except OSError as e:
         raise JobError(f"cannot read job spec {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise JobError(f"job spec {path} is not UTF-8 text (byte {e.start}); TOML files must be") from None
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -337,3 +337,54 @@ def test_every_generate_and_bench_option_has_help():
         command = cli.commands[name]
         bare = [p.opts[-1] for p in command.params if isinstance(p, click.Option) and not p.help]
         assert bare == [], f"mtplx {name}: options without help: {bare}"
+
+
+def test_a_template_format_a_rows_value_does_not_take_is_that_rows_error(tmp_path, tiny_model):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b"], n=[7, None], word=["x", "y"])
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "j.toml", job_text(inp, out, tiny_model, prompt='template = "{word} {n:d}"'))
+    result = invoke("run", job)
+    assert result.exit_code == 1, result.output
+    rows = {r["id"]: r for r in parts_rows(out)}
+    assert rows["a"]["error"] is None and rows["a"]["finish_reason"] in ("stop", "length")
+    assert "null" in rows["b"]["error"]
+    job = write_job(tmp_path / "j2.toml", job_text(inp, tmp_path / "out2", tiny_model, prompt='template = "{n} {word:d}"'))
+    result = invoke("run", job)
+    assert result.exit_code == 1, result.output
+    rows = {r["id"]: r for r in parts_rows(tmp_path / "out2")}
+    assert rows["a"]["error"].startswith("cannot render the template: ValueError"), rows["a"]
+    assert "null" in rows["b"]["error"]
+
+
+def test_a_top_k_past_int32_keeps_every_token_instead_of_crashing(tmp_path, tiny_model, good_input):
+    for k, out in ((2**31, "big"), (0, "off")):
+        result = invoke("generate", "--input", good_input, "--output", tmp_path / out, "--model", tiny_model,
+                        "--max-tokens", 4, "--temperature", 1.0, "--top-k", k, "--seed", 3)
+        assert result.exit_code == 0, result.output
+    assert [r["completion_tokens"] for r in parts_rows(tmp_path / "big")] == \
+        [r["completion_tokens"] for r in parts_rows(tmp_path / "off")]
+
+
+def test_an_empty_id_column_option_keys_rows_by_index_past_an_unusable_id_column(tmp_path, tiny_model):
+    inp = write_parquet(tmp_path / "in.parquet", id=[1.5, 1.5, 2.0, 3.0], prompt=PROMPTS)
+    assert "must hold integers or strings" in one_error_line(
+        invoke("generate", "--input", inp, "--output", tmp_path / "o1", "--model", tiny_model, "--max-tokens", 4))
+    result = invoke("generate", "--input", inp, "--output", tmp_path / "o2", "--model", tiny_model,
+                    "--max-tokens", 4, "--id-column", "")
+    assert result.exit_code == 0, result.output
+    assert len(parts_rows(tmp_path / "o2")) == 4
+
+
+def test_an_empty_input_file_whose_prompt_column_is_null_typed_joins_the_others(tmp_path, tiny_model):
+    import pyarrow as pa
+
+    d = tmp_path / "in"
+    write_parquet(d / "a.parquet", id=["a", "b"], prompt=PROMPTS[:2])
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.null())}), d / "b.parquet")
+    write_parquet(d / "c.parquet", id=["c"], prompt=pa.array([None], pa.null()))  # all null: a row error
+    out = tmp_path / "out"
+    result = invoke("run", write_job(tmp_path / "j.toml", job_text(d, out, tiny_model)))
+    assert result.exit_code == 1, result.output
+    rows = {r["id"]: r for r in parts_rows(out)}
+    assert sorted(rows) == ["a", "b", "c"]
+    assert rows["a"]["error"] is None and "null" in rows["c"]["error"]

@@ -127,3 +127,33 @@ def test_batch_and_output_settings_do_not_change_the_identity():
     c = spec_from_dict(doc(sampling={"temperature": 0.5}))
     assert a.identity() == b.identity()
     assert a.identity() != c.identity()
+
+
+def test_template_conversions_and_nested_format_fields_that_can_never_render_are_refused():
+    d = doc()
+    d["prompt"] = {"template": "Q: {question!z}"}
+    assert "unknown conversion" in error_of(d)
+    d["prompt"] = {"template": "Q: {question:{width}}"}
+    assert "nests a field" in error_of(d)
+    d["prompt"] = {"template": "Q: {question!r:>20}"}
+    assert spec_from_dict(d).prompt.templates == ("Q: {question!r:>20}",)
+
+
+def test_a_job_file_that_is_not_utf8_is_named(tmp_path):
+    job = tmp_path / "latin1.toml"
+    job.write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(JobError, match="latin1.toml is not UTF-8"):
+        load_spec(job)
+
+
+def test_a_relative_glob_resolves_under_a_spec_directory_whose_name_holds_glob_characters(tmp_path):
+    import glob
+
+    base = tmp_path / "jobs [old]*"
+    (base / "data").mkdir(parents=True)
+    for name in ("a.parquet", "b.parquet"):
+        (base / "data" / name).write_bytes(b"")
+    job = base / "j.toml"
+    job.write_text('[input]\npath = "data/*.parquet"\n[prompt]\ncolumn = "prompt"\n[output]\npath = "out"\n')
+    s = load_spec(job)
+    assert sorted(glob.glob(s.input.path)) == [str(base / "data" / "a.parquet"), str(base / "data" / "b.parquet")]
