@@ -63,7 +63,8 @@ def _run_options(f):
 
 
 class _Group(click.Group):
-    """Turns a JobError anywhere below into one line on stderr and exit 2."""
+    """Turns a JobError anywhere below, or a bad command line, into one line
+    on stderr and exit 2."""
 
     def invoke(self, ctx):
         try:
@@ -71,9 +72,25 @@ class _Group(click.Group):
         except JobError as e:
             click.echo(f"mtplx: error: {e}", err=True)
             ctx.exit(EXIT_BAD_JOB)
+        except click.UsageError as e:  # an option's value, a missing option, an unknown command
+            _usage_error(ctx, e)
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:  # the group's own options
+            _usage_error(ctx, e)
         except KeyboardInterrupt:  # before the job installed its own handler
             click.echo("mtplx: interrupted", err=True)
             ctx.exit(130)
+
+
+def _usage_error(ctx, e: click.UsageError):
+    if isinstance(e, click.exceptions.NoArgsIsHelpError):  # bare `mtplx`: the help, as click shows it
+        raise e
+    where = e.ctx.command_path if e.ctx is not None else ctx.command_path
+    click.echo(f"mtplx: error: {e.format_message()} (see {where} --help)", err=True)
+    ctx.exit(EXIT_BAD_JOB)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -388,3 +388,14 @@ def test_an_empty_input_file_whose_prompt_column_is_null_typed_joins_the_others(
     rows = {r["id"]: r for r in parts_rows(out)}
     assert sorted(rows) == ["a", "b", "c"]
     assert rows["a"]["error"] is None and "null" in rows["c"]["error"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["generate", "--input", "x", "--output", "y", "--batch-size", "0"], "'--batch-size'"),
+    (["generate", "--output", "y"], "Missing option '--input'"),
+    (["generat"], "No such command 'generat'"),
+    (["--bogus"], "No such option '--bogus'"),
+])
+def test_a_bad_command_line_is_one_line_naming_the_option_and_exit_2(args, fragment):
+    line = one_error_line(invoke(*args))
+    assert fragment in line and "--help" in line
