@@ -14,6 +14,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from .checkpoint import SIDECAR, load_tensors, read_config, shard_files, shard_shapes
 from .cpu_experts import float32_experts
+from .fp8_blocks import dequantize_fp8_weights, dequantizing_trunk_class, fp8_block_size
 from .mtp_patch import CheckpointError, FamilyAdapter, family_for
 
 
@@ -104,7 +105,7 @@ def open_checkpoint(path):
 def load(path, *, lazy: bool = False) -> MTPModel:
     """Load a checkpoint (HF layout or converted by `mtplx convert`) with its MTP head."""
     path, config, family, files, shapes = open_checkpoint(path)
-    trunk = _load_trunk(path, family)
+    trunk = _load_trunk(path, family, fp8_block_size(config))
     tokenizer = _load_tokenizer(path, config)
     head, info = _load_head(path, config, family, trunk, files, shapes)
     model = MTPModel(trunk, head, tokenizer, config, family, path, info)
@@ -116,10 +117,16 @@ def load(path, *, lazy: bool = False) -> MTPModel:
     return model
 
 
-def _load_trunk(path: Path, family: FamilyAdapter) -> nn.Module:
+def _load_trunk(path: Path, family: FamilyAdapter, fp8_block: Optional[int] = None) -> nn.Module:
     from mlx_lm.utils import _get_classes, load_model
 
     classes = family.model_classes or _get_classes
+    if fp8_block is not None:  # mlx-lm dequantises block fp8 for deepseek_v3 only
+        family_classes = classes
+
+        def classes(config):
+            model_cls, args_cls = family_classes(config)
+            return dequantizing_trunk_class(model_cls, fp8_block), args_cls
     try:
         trunk, _ = load_model(path, lazy=True, strict=True, get_model_classes=classes)
     except CheckpointError:
@@ -169,6 +176,8 @@ def _load_head(path, config, family, trunk, files, shapes):
         head = family.build_head(trunk, config, tensors, shapes, quantization=quant, mlx_layout=True)
         return head, {"source": SIDECAR, "quantization": quant}
     tensors = load_tensors(files, lambda k: family.is_mtp_key(k, config))
+    if fp8_block_size(config) is not None:
+        tensors = dequantize_fp8_weights(tensors, fp8_block_size(config))
     if not tensors:
         if family.num_mtp_layers(config) > 0:
             warnings.warn(

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .fp8_blocks import fp8_block_size
 from .tokenizer_files import write_char_tokenizer
 
 FAMILIES: Dict[str, Callable] = {}
@@ -40,6 +41,9 @@ def tiny_checkpoint(family: str, path, *, seed: int = 0, num_shards: int = 2, **
     mx.random.seed(seed)
     config, tensors = FAMILIES[family](dict(config_overrides))
     tensors = {k: v.astype(mx.float32) if v.dtype in (mx.float16, mx.bfloat16) else v for k, v in tensors.items()}
+    block = fp8_block_size(config)
+    if block is not None:  # quantization_config={"quant_method": "fp8", ...}: the releases' block fp8
+        tensors = _fp8_layers(tensors, block)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_shards(path, tensors, num_shards)
     tc = config.get("text_config", config)
@@ -305,7 +309,7 @@ def _fp8_layers(tensors: Dict[str, mx.array], block: int) -> Dict[str, mx.array]
     # lm heads, norms, the router and eh_proj stay in high precision.
     out = {}
     for k, v in tensors.items():
-        if ".layers." in k and k.endswith("_proj.weight") and v.ndim == 2 and "eh_proj" not in k:
+        if (".layers." in k or ".mtp_layers." in k) and k.endswith("_proj.weight") and v.ndim == 2 and "eh_proj" not in k:
             out[k], out[k + "_scale_inv"] = fp8_block_quantize(v, block)
         else:
             out[k] = v
@@ -330,11 +334,7 @@ def _deepseek_checkpoint(model_type: str):
             _randomize_norms(head)
             for name, v in tree_flatten(head.parameters()):
                 weights.update(_deepseek_head_to_hf(name, v, n_trunk, n_mtp))
-        tensors = _deepseek_to_hf(weights, args)
-        qc = config.get("quantization_config") or {}
-        if qc.get("quant_method") == "fp8":
-            tensors = _fp8_layers(tensors, qc.get("weight_block_size", [128, 128])[0])
-        return config, tensors
+        return config, _deepseek_to_hf(weights, args)
 
     return build
 

@@ -423,3 +423,28 @@ def test_qwen3_5_moe_mtp_experts_stored_one_by_one_load_as_the_fused_ones(tmp_pa
     tokens = mx.array([[3, 4, 5, 6, 7]])
     want, got = a.head(hidden, tokens), b.head(hidden, tokens)
     assert all(mx.array_equal(x, y).item() for x, y in zip(want, got))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "glm4_moe", "glm4_moe_lite", "mimo"])
+def test_block_fp8_releases_of_every_family_load_dequantised_as_deepseek_v3s(checkpoints, family):
+    # mlx-lm dequantises weight_scale_inv blocks in deepseek_v3's sanitize
+    # only; the other trunks refused the scales as unknown parameters.
+    path, model, raw, layout = checkpoints(family, quantization_config=FP8)
+
+    def expected(key):
+        q, s = raw[key], raw[key + "_scale_inv"]
+        assert q.dtype == mx.uint8 and s.shape == (1, 1)  # one 128x128 block
+        return (mx.from_fp8(q, dtype=mx.float32) * s[0, 0]).astype(mx.bfloat16)
+
+    suffix = "self_attn.o_proj.weight"
+    mtp = [k for k in raw if k.endswith(suffix) and model.family.is_mtp_key(k, layout.config)]
+    trunk_key = next(k for k in raw if k.endswith("layers.1." + suffix) and k not in mtp)
+    trunk = dict(tree_flatten(model.trunk.parameters()))
+    got = next(v for k, v in trunk.items() if k.endswith("layers.1." + suffix))
+    assert mx.array_equal(got, expected(trunk_key)).item()
+    head = [v for k, v in tree_flatten(model.head.parameters()) if k.endswith(suffix)]
+    assert len(mtp) == len(head) == 1 and mx.array_equal(head[0], expected(mtp[0])).item()
+    prompts = [[3, 4, 5, 6], [9, 8]]
+    plain = mtplx.MTPLXRuntime(model, mtplx.MTPContract(depth=0), max_batch=2).generate(prompts, max_tokens=8)
+    spec = mtplx.MTPLXRuntime(model, mtplx.MTPContract(depth=2), max_batch=2).generate(prompts, max_tokens=8)
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]

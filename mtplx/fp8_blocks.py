@@ -1,0 +1,68 @@
+"""Block-fp8 checkpoints: DeepSeek-V3's layout, which the FP8 releases of
+Qwen3-Next and other families share. Each fp8 (e4m3) `X.weight` [m, n] has
+an `X.weight_scale_inv` [ceil(m/b), ceil(n/b)], and stands for the weight
+times the scale of its b x b block (b from config.json's
+quantization_config.weight_block_size, 128 in every release).
+
+mlx-lm 0.32 dequantises them in deepseek_v3's sanitize only: the other
+families' trunks refused the scales as unknown parameters. MTPLX
+dequantises them before any family's sanitize (trunk and head alike), to
+bfloat16 as mlx-lm does, with the same result bit for bit: an fp8 value is
+exact in float32, and the product is rounded to bfloat16 once.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_block_size(config: dict) -> Optional[int]:
+    """The block size of a block-fp8 checkpoint, or None for any other."""
+    for c in (config, config.get("text_config") or {}):
+        qc = c.get("quantization_config") or {}
+        if qc.get("quant_method") == "fp8":
+            return int((qc.get("weight_block_size") or [128])[0])
+    return None
+
+
+def dequantize_fp8_weights(weights: Dict[str, mx.array], block: int) -> Dict[str, mx.array]:
+    """`weights` with every fp8 weight that has a scale replaced by its
+    bfloat16 value, and the scales dropped. A scale whose weight is missing
+    or not fp8 stays, for the strict load to name."""
+    out = {}
+    for k, v in weights.items():
+        scale = weights.get(k + SCALE_SUFFIX) if v.dtype == mx.uint8 else None
+        if scale is not None:
+            out[k] = dequantize_block(v, scale, block)
+        elif not (k.endswith(SCALE_SUFFIX) and weights.get(k[: -len(SCALE_SUFFIX)], v).dtype == mx.uint8):
+            out[k] = v
+    return out
+
+
+def dequantize_block(q: mx.array, scale_inv: mx.array, block: int) -> mx.array:
+    """fp8 bytes q [m, n] times the scale of each block [ceil(m/b), ceil(n/b)] -> bfloat16 [m, n]."""
+    m, n = q.shape
+    scale = mx.repeat(mx.repeat(scale_inv.astype(mx.float32), block, axis=0), block, axis=1)[:m, :n]  # [m, n]
+    return (mx.from_fp8(q, dtype=mx.float32) * scale).astype(mx.bfloat16)
+
+
+_DEQUANTIZING: Dict[tuple, type] = {}
+
+
+def dequantizing_trunk_class(model_cls: type, block: int) -> type:
+    """A subclass of an mlx-lm Model whose sanitize first dequantises the
+    block-fp8 weights."""
+    key = (model_cls, block)
+    if key not in _DEQUANTIZING:
+        own = getattr(model_cls, "sanitize", None)
+
+        def sanitize(self, weights):
+            weights = dequantize_fp8_weights(weights, block)
+            return own(self, weights) if own is not None else weights
+
+        _DEQUANTIZING[key] = type(model_cls.__name__, (model_cls,), {"sanitize": sanitize, "__module__": __name__})
+    return _DEQUANTIZING[key]
