@@ -332,12 +332,12 @@ def target_probs(logits: mx.array, bs: BatchSampling) -> mx.array:
     # temperature: x / 1e-40 overflows to inf, and the softmax of inf is NaN.
     z = (x - mx.max(x, axis=-1, keepdims=True)) / temperature  # [B, T, V], max 0
     if bs.all_greedy:
-        probs = _one_hot(_lowest_argmax(x), V)
+        probs = _one_hot(greedy_tokens(logits), V)
     else:
         if bs.any_filter:  # the full-vocabulary sort only when some row filters
             z = _filter_logits(z, col(bs.top_k), col(bs.top_p), col(bs.min_p))  # keeps the top: max 0
         probs = _softmax_of_max_zero(z)  # [B, T, V]
-        probs = mx.where(greedy, _one_hot(_lowest_argmax(x), V), probs)
+        probs = mx.where(greedy, _one_hot(greedy_tokens(logits), V), probs)
     broken = mx.any(mx.isnan(x) | (x == mx.inf), axis=-1, keepdims=True)  # [B, T, 1]
     return mx.where(broken, mx.nan, probs)
 
@@ -527,7 +527,7 @@ def greedy_accept(draft: mx.array, logits: mx.array, num_valid=None) -> tuple[mx
     position. draft [B, k], logits [B, k+1, V] -> (accepted [B], next [B]).
     """
     B, k = draft.shape
-    target = _lowest_argmax(logits)  # [B, k+1]
+    target = greedy_tokens(logits)  # [B, k+1]
     nv = mx.full((B,), k, dtype=mx.int32) if num_valid is None else mx.clip(num_valid.astype(mx.int32), 0, k)
     valid = mx.arange(k, dtype=mx.int32)[None, :] < nv[:, None]  # [B, k]
     accepted = _accepted_count((draft.astype(mx.int32) == target[:, :k]) & valid)  # [B]
@@ -535,5 +535,14 @@ def greedy_accept(draft: mx.array, logits: mx.array, num_valid=None) -> tuple[mx
 
 
 def greedy_tokens(logits: mx.array) -> mx.array:
-    """The argmax of each row's logits [..., V], ties to the lowest id."""
+    """int32 [...]: the greedy token at each position of logits [..., V], as
+    mlx-lm's greedy sampler picks it: the lowest id among the largest
+    log-probabilities, `logits - logsumexp(logits)` in the logits' own dtype.
+    In half precision that subtraction rounds logits a step apart (4e-3 to
+    2e-2 in bfloat16) to one value, and mlx-lm takes the lower id where the
+    top logit may be the higher one. In float32 it can only tie logits
+    closer than about 1e-6, below DESIGN's 1e-4 near-tie bound, so the
+    logsumexp (an exp per vocabulary entry) is left out there."""
+    if logits.dtype != mx.float32:
+        logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return _lowest_argmax(logits)
