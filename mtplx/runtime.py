@@ -31,6 +31,7 @@ from .decide import decide
 from .decode_model import prepare_for_decoding
 from .draft_chain import DraftChain, HeadPending
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
+from .text_prompts import encode_text
 from .mtp_patch import MTPContract
 from .prefill import Prefilled, prefill_by_length
 from .request_checks import PromptError, prompt_list, row_id_list, stop_strings, token_ids, valid_text
@@ -284,7 +285,7 @@ class MTPLXRuntime:
 
     def _encode(self, req: Request) -> List[int]:
         if isinstance(req.prompt, str):
-            ids = self.model.tokenizer.encode(valid_text(req.prompt))
+            ids = encode_text(self.model.tokenizer, valid_text(req.prompt))
         else:
             ids = token_ids(req.prompt)
         if not ids:

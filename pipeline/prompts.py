@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Union
 
+from mtplx.text_prompts import encode_text
+
 from .errors import JobError
 from .spec import PromptSpec
 
@@ -28,8 +30,6 @@ class PromptEncoder:
         self.uses_chat = bool(spec.messages or spec.chat_template)
         if self.uses_chat and not _has_chat_template(tokenizer):
             raise JobError("the model's tokenizer has no chat template; [prompt] messages / chat_template need one")
-        bos = getattr(tokenizer, "bos_token", None)
-        self._bos = bos if isinstance(bos, str) and bos else None
 
     def build(self, row: dict, template_index: int = 0) -> BuiltPrompt:
         rendered, error = self._render(row, template_index)
@@ -64,9 +64,7 @@ class PromptEncoder:
             messages = rendered if isinstance(rendered, list) else [{"role": "user", "content": rendered}]
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return list(tok.encode(text, add_special_tokens=False))
-        # Like mlx-lm: add special tokens unless the prompt already starts with BOS.
-        add = self._bos is None or not rendered.startswith(self._bos)
-        return list(tok.encode(rendered, add_special_tokens=add))
+        return encode_text(tok, rendered)
 
 
 def _has_chat_template(tokenizer) -> bool:

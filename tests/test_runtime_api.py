@@ -175,3 +175,26 @@ def test_stop_strings_prompts_and_depths_from_numpy_and_pyarrow_are_taken_as_bef
     ids = pa.table({"ids": [GOOD, [8, 9]]})["ids"]  # a ChunkedArray of list<int64>
     assert [o.tokens for o in rt.generate(ids, max_tokens=4)] == [o.tokens for o in rt.generate([GOOD, [8, 9]], max_tokens=4)]
     assert MTPContract(depth=np.int64(2), max_depth_auto=np.int64(3)).max_depth_auto == 3
+
+
+def test_a_str_prompt_that_starts_with_the_bos_text_gets_no_second_bos(tmp_path):
+    from tokenizers import Tokenizer, processors
+
+    from mtplx.tokenizer_files import write_char_tokenizer
+
+    path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=VOCAB)
+    write_char_tokenizer(path, VOCAB - 1)  # ids 0..46; "<s>" becomes 47
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(["<s>"])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<s>", "add_bos_token": True}))
+    model = mtplx.load(path)
+    plain = model.tokenizer.encode("hello there")
+    assert plain[0] == bos and plain[1] != bos  # the tokenizer adds its BOS
+    rt = MTPLXRuntime(model, MTPContract(depth=0), max_batch=2)
+    with_bos, without = rt.generate(["<s>hello there", "hello there"], max_tokens=6)
+    assert with_bos.prompt_tokens == without.prompt_tokens == len(plain)  # one BOS either way, as mlx-lm encodes
+    assert with_bos.tokens == without.tokens
