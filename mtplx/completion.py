@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from .request_checks import positive_int, stop_strings
+from .request_checks import positive_int, stop_strings, stop_token_id_list
 from .sampling import SamplingParams
 
 
@@ -29,7 +29,9 @@ class Request:
         if self.row_id is None:
             self.row_id = self.index
         self.stop = stop_strings(self.stop)
-        self.stop_token_ids = tuple(self.stop_token_ids or ())
+        self.stop_token_ids = stop_token_id_list(self.stop_token_ids)
+        if not isinstance(self.sampling, SamplingParams):  # else the whole stream fails mid-decode
+            raise TypeError(f"sampling must be a SamplingParams, got {self.sampling!r}")
 
 
 @dataclass

@@ -37,6 +37,27 @@ def stop_strings(stop) -> Tuple[str, ...]:
     return stops
 
 
+def stop_token_id_list(ids) -> Tuple[int, ...]:
+    """`stop_token_ids` as a tuple of ints; a lone int is one id."""
+    ids = () if ids is None else (ids,) if isinstance(ids, numbers.Integral) else tuple(ids)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"stop_token_ids must be integer token ids, got {t!r}")
+    return tuple(int(t) for t in ids)
+
+
+def seed_value(seed) -> int:
+    """A job seed: an integer that fits the 64-bit key word (a float, a str
+    or a wider int would otherwise be truncated into another seed silently)."""
+    if seed is None:
+        return 0
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must fit in 64 bits, got {seed}")
+    return int(seed)
+
+
 def prompt_list(prompts) -> list:
     """`prompts` as a list, each a string or a sequence. A lone string (or
     one prompt's token ids) would otherwise be taken as one prompt per

@@ -34,7 +34,8 @@ from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfini
 from .text_prompts import encode_text
 from .mtp_patch import MTPContract
 from .prefill import Prefilled, prefill_by_length
-from .request_checks import PromptError, prompt_list, row_id_list, stop_strings, token_ids, valid_text
+from .request_checks import (PromptError, prompt_list, row_id_list, seed_value, stop_strings, stop_token_id_list,
+                             token_ids, valid_text)
 from .sampling import (
     SamplingParams,
     batch_sampling,
@@ -155,7 +156,7 @@ class MTPLXRuntime:
                 row_id=None if row_ids is None else row_ids[i],
                 n=n,
                 stop=stop,
-                stop_token_ids=tuple(stop_token_ids),
+                stop_token_ids=stop_token_id_list(stop_token_ids),
                 logprobs=logprobs,
             )
             for i, (p, sp) in enumerate(zip(prompts, sampling))
@@ -166,6 +167,7 @@ class MTPLXRuntime:
     def stream(self, requests: Iterable[Request], seed: int = 0) -> Iterator[Completion]:
         """Yield each Completion as soon as its row finishes. Requests are pulled
         lazily; the runtime alone decides batch composition."""
+        seed = seed_value(seed)
         batch = SlotBatch(self.model, self.max_batch, self.depth)
         waiting = _Samples(iter(requests))
         inflight = None

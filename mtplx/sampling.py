@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -64,16 +65,16 @@ class SamplingParams:
 
     def __post_init__(self):
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
         m = self.min_p
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0.0 <= m < 1.0):
+        if isinstance(m, bool) or not isinstance(m, numbers.Real) or not (0.0 <= m < 1.0):
             raise ValueError(f"min_p must be in [0, 1) (0 = off), got {m!r}")
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer))):
@@ -81,7 +82,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return bool(self.temperature == 0)
 
 
 class BatchSampling(NamedTuple):

@@ -198,3 +198,25 @@ def test_a_str_prompt_that_starts_with_the_bos_text_gets_no_second_bos(tmp_path)
     with_bos, without = rt.generate(["<s>hello there", "hello there"], max_tokens=6)
     assert with_bos.prompt_tokens == without.prompt_tokens == len(plain)  # one BOS either way, as mlx-lm encodes
     assert with_bos.tokens == without.tokens
+
+
+@pytest.mark.parametrize("sampling", [[None], [{"temperature": 1.0}]])
+def test_a_sampling_list_entry_that_is_not_sampling_params_is_a_clear_type_error(rt, sampling):
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        rt.generate([GOOD], sampling=sampling, max_tokens=2)
+
+
+@pytest.mark.parametrize("seed, error", [(1.7, TypeError), ("5", TypeError), (True, TypeError), (2**64, ValueError)])
+def test_a_seed_that_is_not_a_64_bit_integer_is_refused_not_truncated_into_another(rt, seed, error):
+    with pytest.raises(error, match="seed"):
+        rt.generate([GOOD], sampling=mtplx.SamplingParams(temperature=1.0), max_tokens=2, seed=seed)
+
+
+def test_numpy_sampling_values_seeds_and_a_lone_stop_id_are_accepted(rt):
+    sp = mtplx.SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), min_p=np.float32(0.0))
+    a = rt.generate([GOOD], sampling=sp, max_tokens=4, seed=np.int64(3), stop_token_ids=np.int64(9))
+    b = rt.generate([GOOD], sampling=mtplx.SamplingParams(temperature=0.5, top_p=0.9), max_tokens=4, seed=3,
+                    stop_token_ids=[9])
+    assert a[0].tokens == b[0].tokens
+    with pytest.raises(TypeError, match="stop_token_ids"):
+        rt.generate([GOOD], max_tokens=2, stop_token_ids=["a"])
