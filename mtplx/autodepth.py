@@ -485,10 +485,17 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
                                 bare_rounds_between=BARE_ROUNDS_BETWEEN)
     bare = sampler.costs()
     if not all(math.isfinite(costs.cycle_s(k)) for k in range(K + 1)):
+        if contract.sampled_depth:  # a resumed job's depth still holds; every cycle runs at it
+            k = contract.sampled_depth
+            return AutoDepth(k, k, None, {"depth": k, "depth_from": "given (the job's first run)",
+                                          "reason": "calibration timed no decode cycle",
+                                          "policy": f"depth {k} in every cycle: calibration could not time a cycle"})
         return AutoDepth(0, 0, None, {"depth": 0, "reason": "calibration timed no decode cycle",
                                       "policy": "plain decoding: calibration could not time a decode cycle"})
-    job = best_depth(costs, sampled, K, margin=SPECULATION_MARGIN,
-                     tolerance=SINGLE_ROW_JOB_TOLERANCE if max_batch == 1 else DEPTH_TOLERANCE)
+    job = contract.sampled_depth  # a resumed job's: its sampled rows draw as its first run's did
+    if job is None:
+        job = best_depth(costs, sampled, K, margin=SPECULATION_MARGIN,
+                         tolerance=SINGLE_ROW_JOB_TOLERANCE if max_batch == 1 else DEPTH_TOLERANCE)
     # Greedy rows keep a controller wherever some depth is predicted to win
     # at all, and start speculating only where one wins by the margin; in
     # between, the controller starts off and probes (DepthController), and
@@ -509,6 +516,7 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     start = best_depth(costs, acceptance, K, margin=SPECULATION_MARGIN)
     record = {
         "depth": job,
+        "depth_from": "calibration" if contract.sampled_depth is None else "given (the job's first run)",
         "greedy_depth_at_start": start,
         "acceptance_prior": acceptance,
         "acceptance_prior_sampled": sampled,

@@ -42,6 +42,10 @@ class MTPContract:
     shrink_batch: once no prompt is waiting, decode the rows still running
         in a batch their own size (the next power of two) rather than the
         full one; what each row outputs does not change.
+    sampled_depth: with depth "auto", the depth of every cycle in which a
+        row samples under the residual rule, given instead of calibrated:
+        a resumed job passes the one its first run chose, so that all its
+        sampled rows draw alike. None: calibration picks it.
     """
 
     depth: Depth = 1
@@ -51,6 +55,7 @@ class MTPContract:
     max_depth_auto: int = 3
     compile: bool = True
     shrink_batch: bool = True
+    sampled_depth: Optional[int] = None
 
     def __post_init__(self):
         if self.depth != "auto" and not _int_in(self.depth, 0, MAX_DEPTH):
@@ -61,6 +66,11 @@ class MTPContract:
             raise ValueError(f"acceptance must be 'residual' or 'coupled', got {self.acceptance!r}")
         if self.prefill_chunk < 1 or self.prefill_batch_tokens < 1:
             raise ValueError("prefill_chunk and prefill_batch_tokens must be >= 1")
+        if self.sampled_depth is not None:
+            if self.depth != "auto":
+                raise ValueError("sampled_depth is for depth 'auto' (a fixed depth is every row's depth)")
+            if not _int_in(self.sampled_depth, 0, self.max_depth_auto):
+                raise ValueError(f"sampled_depth must be in 0..{self.max_depth_auto}, got {self.sampled_depth!r}")
 
 
 def _int_in(v, lo: int, hi: int) -> bool:

@@ -121,11 +121,13 @@ class Engine:
         return dict(getattr(self.runtime, "stats", {}) or {})
 
 
-OpenEngine = Callable[[ModelRef, JobSpec, Optional[int]], Engine]
+OpenEngine = Callable[..., Engine]  # (ref, spec, max_memory, sampled_depth=None) -> Engine
 
 
-def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int]) -> Engine:
-    """Load the model and build the runtime; every failure is one JobError line."""
+def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled_depth: Optional[int] = None) -> Engine:
+    """Load the model and build the runtime; every failure is one JobError line.
+    `sampled_depth`: depth "auto"'s depth for sampled rows, as a resumed
+    job's first run recorded it (else calibrated)."""
     import mtplx
     from mtplx.runtime import Request
 
@@ -135,7 +137,8 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int]) -> Engi
     sizing = size_runtime(model, spec, max_memory)
     try:
         contract = mtplx.MTPContract(
-            depth=spec.model.depth, acceptance=spec.model.acceptance, prefill_chunk=sizing.prefill_chunk
+            depth=spec.model.depth, acceptance=spec.model.acceptance, prefill_chunk=sizing.prefill_chunk,
+            sampled_depth=sampled_depth if spec.model.depth == "auto" else None,
         )
         runtime = mtplx.MTPLXRuntime(model, contract=contract, max_batch=sizing.max_batch)
     except ImportError as e:

@@ -19,7 +19,7 @@ import os
 import re
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, List, Optional
 
@@ -32,6 +32,9 @@ from .ids import KeySet, id_hashes, row_keys
 from .plan import Plan
 
 MANIFEST = "manifest.json"
+# The manifest's record of depth "auto"'s depth for sampled rows (residual
+# rule), chosen by the first run's calibration and reused on resume.
+AUTO_SAMPLED_DEPTH = "auto_sampled_depth"
 SUMMARY = "summary.json"
 LOCK = ".mtplx.lock"
 # `part-NNNNN.parquet` (the local engine) or `part-sSSSSS-KKKKK.parquet` (part
@@ -85,6 +88,7 @@ class OutputState:
     existed: bool  # a previous run left a manifest here
     next_shard: int = 0  # the first shard number no part file uses
     overwrite: bool = False  # what a previous run wrote goes when this run starts writing
+    recorded: dict = field(default_factory=dict)  # the manifest a previous run wrote
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -178,11 +182,12 @@ def open_output(out: Path, plan: Plan, manifest: dict, *, overwrite: bool) -> Ou
     if overwrite:
         return OutputState(out, KeySet(), 0, 0, existed=False, overwrite=True)
     existed = (out / MANIFEST).exists()
+    recorded = {}
     if existed:
-        _check_manifest(out, manifest)
+        recorded = _check_manifest(out, manifest)
     elif part_files(out):
         raise JobError(f"{out} holds part files but no {MANIFEST}; pass --overwrite to start over, or pick another directory")
-    return _scan_parts(out, plan, existed)
+    return replace(_scan_parts(out, plan, existed), recorded=recorded)
 
 
 def start_output(state: OutputState, manifest: dict) -> None:
@@ -219,13 +224,13 @@ def _remove_temp_files(out: Path) -> None:
             p.unlink()
 
 
-def _check_manifest(out: Path, manifest: dict) -> None:
+def _check_manifest(out: Path, manifest: dict) -> dict:
     try:
         old = json.loads((out / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise JobError(f"unreadable {out / MANIFEST} ({e}); pass --overwrite to start over") from None
     if old.get("spec_hash") == manifest["spec_hash"]:
-        return
+        return old
     what = changed_parts(old.get("identity", {}), manifest["identity"])
     raise JobError(
         f"output directory {out} was written by a different job ({what} changed); "

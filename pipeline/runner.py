@@ -16,7 +16,8 @@ from .engine import (ModelRef, OpenEngine, check_memory_cap, load_tokenizer, max
 from .errors import EXIT_OK, EXIT_ROW_ERRORS, JobError
 from .ids import KeySet, check_ids
 from .inputs import InputSource, open_input
-from .outdir import SUMMARY, OutputState, open_output, output_in_use, output_lock, start_output, write_json_atomic
+from .outdir import (AUTO_SAMPLED_DEPTH, SUMMARY, OutputState, open_output, output_in_use, output_lock, start_output,
+                     write_json_atomic)
 from .packer import length_ordered, requests
 from .plan import Plan, make_plan
 from .progress import Progress
@@ -103,8 +104,13 @@ def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_fact
     auto = job.spec.model.depth == "auto"
     if auto and not opts.quiet:  # calibration is silent and takes seconds to a minute
         log(f"{job.spec.name}: depth auto: timing the decode passes on this machine first")
-    engine = engine_factory(job.ref, job.spec, job.spec.batch.max_memory)
-    start_output(state, job.manifest)
+    # depth "auto": a resumed job's sampled rows draw at the depth its first run chose.
+    recorded = state.recorded.get(AUTO_SAMPLED_DEPTH) if auto else None
+    engine = engine_factory(job.ref, job.spec, job.spec.batch.max_memory, sampled_depth=recorded)
+    manifest = job.manifest
+    if auto and "depth" in engine.stats.get("auto_depth", {}):
+        manifest = {**manifest, AUTO_SAMPLED_DEPTH: engine.stats["auto_depth"]["depth"]}
+    start_output(state, manifest)
     todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
     if not opts.quiet:
         if auto:

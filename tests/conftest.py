@@ -148,7 +148,7 @@ def fake_engine_factory(max_context=None):
 
     from pipeline.engine import Engine
 
-    def open_fake(ref, spec, max_memory):
+    def open_fake(ref, spec, max_memory, sampled_depth=None):
         rt = FakeRuntime(max_batch=spec.batch.max_batch, max_context=max_context,
                          depth=spec.model.depth if isinstance(spec.model.depth, int) else 2)
         return Engine(FakeTokenizer(), max_context, Request, rt, {"depth": rt.depth, "max_batch": rt.max_batch})

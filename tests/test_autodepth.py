@@ -704,3 +704,19 @@ def test_a_controller_goes_deeper_only_for_a_clear_gain_and_stays_deeper_only_wh
         assert c.choose() == depth, (q, c.acceptance())
     assert 1.0 < HOLD_DEEPER < (2 + 0.40) * 3 / 7 < DEPTH_TOLERANCE
     assert 1.0 < (2 + 0.36) * 3 / 7 < HOLD_DEEPER
+
+
+def test_a_given_sampled_depth_is_the_depth_of_every_sampled_cycle(predictable_qwen):
+    with pytest.raises(ValueError, match="sampled_depth is for depth 'auto'"):
+        MTPContract(depth=2, sampled_depth=2)
+    with pytest.raises(ValueError, match="sampled_depth must be in 0..3"):
+        MTPContract(depth="auto", sampled_depth=4)
+    prompts = [[3, 4, 5], [7, 8, 9, 10], [20], [5, 6]]
+    sp = mtplx.SamplingParams(temperature=1.0)
+    auto = MTPLXRuntime(predictable_qwen, MTPContract(depth="auto", sampled_depth=2), max_batch=2)
+    assert auto.stats["auto_depth"]["depth"] == 2 and auto.stats["auto_depth"]["depth_from"].startswith("given")
+    fixed = MTPLXRuntime(predictable_qwen, MTPContract(depth=2), max_batch=2)
+    got = auto.generate(prompts, sampling=sp, max_tokens=8, seed=4)
+    assert [o.tokens for o in got] == [o.tokens for o in fixed.generate(prompts, sampling=sp, max_tokens=8, seed=4)]
+    by_depth = auto.stats["auto_depth"]["cycles_by_depth"]
+    assert by_depth["2"] > 0 and by_depth["2"] == sum(by_depth.values())

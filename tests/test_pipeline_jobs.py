@@ -67,3 +67,32 @@ def test_a_job_at_depth_auto_says_what_it_planned_and_records_it_in_the_summary(
     plan = result.summary["runtime"]["stats"]["auto_depth"]
     assert lines[1] == f"nightly: depth auto: {plan['policy']}"
     assert sum(plan["cycles_by_depth"].values()) > 0 and "bare_costs" in plan
+
+
+def test_a_resumed_auto_job_samples_at_the_depth_its_first_run_recorded(tiny_model, tmp_path):
+    import json
+
+    from conftest import write_parquet
+
+    data = write_parquet(tmp_path / "in.parquet", id=[1, 2, 3, 4], prompt=["ab", "abc", "b", "ba"])
+    spec = load_spec(REPO / "jobs" / "nightly.toml")
+    spec = replace(spec, model=replace(spec.model, path=str(tiny_model), depth="auto"),
+                   input=replace(spec.input, path=str(data), keep_columns=[]),
+                   sampling=replace(spec.sampling, temperature=1.0),
+                   generation=replace(spec.generation, max_tokens=4, stop=[]),
+                   batch=replace(spec.batch, max_batch=2),
+                   output=replace(spec.output, path=str(tmp_path / "out")))
+    out = tmp_path / "out"
+    first = run_job(spec, RunOptions(quiet=True), log=lambda s: None)
+    chosen = first.summary["runtime"]["stats"]["auto_depth"]["depth"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["auto_sampled_depth"] == chosen  # recorded when the first run wrote its manifest
+    # A first run whose calibration chose another depth, and a part lost.
+    other = (chosen + 1) % 4
+    (out / "manifest.json").write_text(json.dumps({**manifest, "auto_sampled_depth": other}))
+    for part in out.glob("part-*.parquet"):
+        part.unlink()
+    again = run_job(spec, RunOptions(quiet=True), log=lambda s: None)
+    plan = again.summary["runtime"]["stats"]["auto_depth"]
+    assert plan["depth"] == other and plan["depth_from"].startswith("given")
+    assert json.loads((out / "manifest.json").read_text())["auto_sampled_depth"] == other
