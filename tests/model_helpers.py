@@ -55,3 +55,16 @@ def _trunk_lm_head_weight(model):
     if "lm_head" in trunk:
         return trunk.lm_head.weight
     return model.text_model.embed_tokens.weight
+
+
+def mlx_lm_greedy(model, prompt, max_tokens):
+    """mlx-lm's own greedy decoding of the trunk (its sampler sees the
+    log-probabilities), stopping at EOS (not output)."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for tok, _ in generate_step(mx.array(prompt), model.trunk, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1)):
+        if int(tok) in model.eos_token_ids:
+            break
+        out.append(int(tok))
+    return out

@@ -15,12 +15,13 @@ import glob
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
 from mtplx.sampling import greedy_tokens
 from mtplx.testing import tiny_checkpoint
+
+from model_helpers import mlx_lm_greedy
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"]
 # Token for token with mlx-lm's greedy decoding on these prompts (see above).
@@ -35,16 +36,6 @@ def bf16_checkpoint(family, path):
         mx.save_safetensors(f, {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in tensors.items()},
                             metadata={"format": "pt"})
     return path
-
-
-def mlx_lm_greedy(model, prompt, max_tokens):
-    """mlx-lm's greedy decoding (its sampler sees the log-probabilities), stopping at EOS."""
-    out = []
-    for tok, _ in generate_step(mx.array(prompt), model.trunk, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1)):
-        if int(tok) in model.eos_token_ids:
-            break
-        out.append(int(tok))
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)

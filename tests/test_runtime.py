@@ -4,7 +4,6 @@ metrics, reproducibility. fp32 tiny checkpoints in the real HF layouts."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
@@ -12,7 +11,7 @@ from mtplx.completion import Request
 from mtplx.sampling import SamplingParams
 from mtplx.testing import tiny_checkpoint
 
-from model_helpers import make_predictable
+from model_helpers import make_predictable, mlx_lm_greedy
 
 VOCAB = 48
 TIE_GAP = 1e-4
@@ -31,16 +30,6 @@ def models(tmp_path_factory):
 def _prompts(n, seed=0, lengths=(3, 7, 12, 5, 9, 4, 6, 11)):
     rng = np.random.default_rng(seed)
     return [[int(x) for x in rng.integers(1, VOCAB, size=lengths[i % len(lengths)])] for i in range(n)]
-
-
-def mlx_lm_greedy(model, prompt, max_tokens):
-    """mlx-lm's own greedy decoding of the trunk, stopping at EOS (not output)."""
-    out = []
-    for tok, _ in generate_step(mx.array(prompt), model.trunk, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1)):
-        if int(tok) in model.eos_token_ids:
-            break
-        out.append(int(tok))
-    return out
 
 
 def top2_gap(model, tokens):
