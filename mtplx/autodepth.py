@@ -385,7 +385,9 @@ class DepthController:
             self.off, self.rows_seen, self._plain_bursts = True, 0, 0
             if self.probing:  # a failed probe: wait longer for the next
                 self._retry_after = min(2 * self._retry_after, MAX_RETRY_BACKOFF * self.retry_rows)
-        if pays:
+        # A probe is judged on what it drafts: at its start the faded counts
+        # are back near the prior, which may pay.
+        if pays and (not self.probing or self.rows_seen >= self.probe_rows):
             self.probing = False
             self._retry_after = self.retry_rows
         if self.off:

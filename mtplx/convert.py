@@ -202,11 +202,14 @@ def _progress(enabled: bool):
 
 
 def _load_trunk(src: Path, family: FamilyAdapter):
-    from mlx_lm.utils import _get_classes, load_model
+    from mlx_lm.utils import load_model
+
+    from .loader import trunk_classes
 
     # deepseek_v3 with a layer count other than 61 and multi-MTP-layer glm4_moe
-    # fail mlx-lm's strict load unless the family drops its MTP layers first.
-    classes = family.model_classes or _get_classes
+    # fail mlx-lm's strict load unless the family drops its MTP layers first;
+    # block fp8 is dequantised for every family.
+    classes = trunk_classes(family, read_config(src))
     try:
         return load_model(src, lazy=True, strict=True, get_model_classes=classes)
     except Exception as e:

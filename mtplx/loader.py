@@ -6,7 +6,7 @@ import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -105,7 +105,7 @@ def open_checkpoint(path):
 def load(path, *, lazy: bool = False) -> MTPModel:
     """Load a checkpoint (HF layout or converted by `mtplx convert`) with its MTP head."""
     path, config, family, files, shapes = open_checkpoint(path)
-    trunk = _load_trunk(path, family, fp8_block_size(config))
+    trunk = _load_trunk(path, family, config)
     tokenizer = _load_tokenizer(path, config)
     head, info = _load_head(path, config, family, trunk, files, shapes)
     model = MTPModel(trunk, head, tokenizer, config, family, path, info)
@@ -117,16 +117,28 @@ def load(path, *, lazy: bool = False) -> MTPModel:
     return model
 
 
-def _load_trunk(path: Path, family: FamilyAdapter, fp8_block: Optional[int] = None) -> nn.Module:
-    from mlx_lm.utils import _get_classes, load_model
+def trunk_classes(family: FamilyAdapter, config: dict) -> Callable:
+    """`get_model_classes` for mlx-lm's load_model: the family's classes,
+    dequantising block fp8 first where the checkpoint holds it (mlx-lm does
+    so for deepseek_v3 only)."""
+    from mlx_lm.utils import _get_classes
 
     classes = family.model_classes or _get_classes
-    if fp8_block is not None:  # mlx-lm dequantises block fp8 for deepseek_v3 only
-        family_classes = classes
+    block = fp8_block_size(config)
+    if block is None:
+        return classes
 
-        def classes(config):
-            model_cls, args_cls = family_classes(config)
-            return dequantizing_trunk_class(model_cls, fp8_block), args_cls
+    def dequantizing(config):  # mlx-lm passes it by this name
+        model_cls, args_cls = classes(config)
+        return dequantizing_trunk_class(model_cls, block), args_cls
+
+    return dequantizing
+
+
+def _load_trunk(path: Path, family: FamilyAdapter, config: dict) -> nn.Module:
+    from mlx_lm.utils import load_model
+
+    classes = trunk_classes(family, config)
     try:
         trunk, _ = load_model(path, lazy=True, strict=True, get_model_classes=classes)
     except CheckpointError:

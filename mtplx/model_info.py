@@ -79,7 +79,7 @@ def describe_model(path) -> dict:
     from .loader import _load_head, _load_trunk, open_checkpoint
 
     path, config, family, files, shapes = open_checkpoint(path)
-    trunk = _load_trunk(path, family)
+    trunk = _load_trunk(path, family, config)
     declared = family.num_mtp_layers(config)
     head, info, problem = None, {"source": None}, None
     with warnings.catch_warnings(record=True) as caught:

@@ -39,11 +39,17 @@ def stop_strings(stop) -> Tuple[str, ...]:
 
 def stop_token_id_list(ids) -> Tuple[int, ...]:
     """`stop_token_ids` as a tuple of ints; a lone int is one id."""
-    ids = () if ids is None else (ids,) if isinstance(ids, numbers.Integral) else tuple(ids)
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise TypeError(f"stop_token_ids must be integer token ids, got {t!r}")
-    return tuple(int(t) for t in ids)
+    ids = () if ids is None else (ids,) if isinstance(ids, numbers.Number) else tuple(ids)
+    return tuple(_whole(t, "stop_token_ids must be integer token ids") for t in ids)
+
+
+def _whole(v, message: str) -> int:
+    """An int, a numpy int or a whole float (5.0, as prompt ids take them)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and float(v).is_integer():
+        return int(v)
+    raise TypeError(f"{message}, got {v!r}")
 
 
 def seed_value(seed) -> int:
@@ -51,8 +57,7 @@ def seed_value(seed) -> int:
     or a wider int would otherwise be truncated into another seed silently)."""
     if seed is None:
         return 0
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an integer, got {seed!r}")
+    seed = _whole(seed, "seed must be an integer")
     if not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed must fit in 64 bits, got {seed}")
     return int(seed)

@@ -99,11 +99,14 @@ class BatchSampling(NamedTuple):
 
 
 _INT32_MAX = 2**31 - 1
+_MIN_TEMPERATURE = 1.5e-45  # float32's smallest positive value, once rounded
 
 
 def batch_sampling(params: Sequence[SamplingParams]) -> BatchSampling:
     return BatchSampling(
-        temperature=mx.array([float(s.temperature) for s in params], dtype=mx.float32),
+        # A positive temperature below float32's smallest (1.4e-45) would round to 0: 0 / 0.
+        temperature=mx.array([max(float(s.temperature), _MIN_TEMPERATURE) if not s.greedy else 0.0 for s in params],
+                             dtype=mx.float32),
         # A top_k past int32 keeps every token, as any top_k past the vocabulary does.
         top_k=mx.array([min(int(s.top_k), _INT32_MAX) for s in params], dtype=mx.int32),
         top_p=mx.array([float(s.top_p) for s in params], dtype=mx.float32),

@@ -74,19 +74,19 @@ class _Group(click.Group):
             ctx.exit(EXIT_BAD_JOB)
         except click.UsageError as e:  # an option's value, a missing option, an unknown command
             _usage_error(ctx, e)
+        except KeyboardInterrupt:  # before the job installed its own handler
+            click.echo("mtplx: interrupted", err=True)
+            ctx.exit(130)
 
     def parse_args(self, ctx, args):
         try:
             return super().parse_args(ctx, args)
         except click.UsageError as e:  # the group's own options
             _usage_error(ctx, e)
-        except KeyboardInterrupt:  # before the job installed its own handler
-            click.echo("mtplx: interrupted", err=True)
-            ctx.exit(130)
 
 
 def _usage_error(ctx, e: click.UsageError):
-    if isinstance(e, click.exceptions.NoArgsIsHelpError):  # bare `mtplx`: the help, as click shows it
+    if type(e).__name__ == "NoArgsIsHelpError":  # bare `mtplx` (click >= 8.2): the help, as click shows it
         raise e
     where = e.ctx.command_path if e.ctx is not None else ctx.command_path
     click.echo(f"mtplx: error: {e.format_message()} (see {where} --help)", err=True)

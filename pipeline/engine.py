@@ -121,7 +121,7 @@ class Engine:
         return dict(getattr(self.runtime, "stats", {}) or {})
 
 
-OpenEngine = Callable[..., Engine]  # (ref, spec, max_memory, sampled_depth=None) -> Engine
+OpenEngine = Callable[..., Engine]  # (ref, spec, max_memory[, sampled_depth=]) -> Engine; the last for auto resumes only
 
 
 def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled_depth: Optional[int] = None) -> Engine:

@@ -106,7 +106,8 @@ def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_fact
         log(f"{job.spec.name}: depth auto: timing the decode passes on this machine first")
     # depth "auto": a resumed job's sampled rows draw at the depth its first run chose.
     recorded = state.recorded.get(AUTO_SAMPLED_DEPTH) if auto else None
-    engine = engine_factory(job.ref, job.spec, job.spec.batch.max_memory, sampled_depth=recorded)
+    given = {} if recorded is None else {"sampled_depth": recorded}
+    engine = engine_factory(job.ref, job.spec, job.spec.batch.max_memory, **given)
     manifest = job.manifest
     if auto and "depth" in engine.stats.get("auto_depth", {}):
         manifest = {**manifest, AUTO_SAMPLED_DEPTH: engine.stats["auto_depth"]["depth"]}

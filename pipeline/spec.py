@@ -361,7 +361,8 @@ def _resolve(base: Path, p: Optional[str], *, glob_ok=False) -> Optional[str]:
     q = Path(p).expanduser()
     if q.is_absolute():
         return os.path.normpath(q)
-    if glob_ok and any(c in p for c in "*?["):  # the spec's own directory may hold [ ] * ?: not part of the pattern
+    if glob_ok and any(c in p for c in "*?[") and not (base / q).exists():
+        # A pattern: the spec's own directory may hold [ ] * ?, which are not part of it.
         return os.path.normpath(os.path.join(glob.escape(str(base)), str(q)))
     return os.path.normpath(base / q)
 

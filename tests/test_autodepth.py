@@ -215,6 +215,23 @@ def test_failed_probes_come_ever_less_often_until_one_pays():
     assert rows_until_probe(c) == 256
 
 
+def test_failed_probes_back_off_also_where_the_prior_pays():
+    # At a probe's start the faded counts are back near a prior that pays;
+    # the probe is still judged on what it drafts, and its failure counts.
+    costs = _costs(10.0, {1: 14.0, 2: 17.0, 3: 20.0}, 0.0)
+    c = DepthController(costs, [0.7, 0.5, 0.3], 3, retry_rows=256, probe_rows=64)
+    starts, rows, was_on = [], 0, True
+    for _ in range(1000):
+        k = c.choose()
+        if k > 0 and not was_on:
+            starts.append(rows)
+        was_on = k > 0
+        c.observe(np.zeros(4, dtype=np.int64), np.full(4, k))  # nothing ever accepted
+        rows += 4
+    gaps = np.diff(starts)
+    assert len(starts) >= 3 and all(b > a for a, b in zip(gaps, gaps[1:])), starts  # ever longer waits
+
+
 def test_an_off_controller_does_not_probe_while_its_batch_drains():
     costs = _costs(10.0, {1: 14.0, 2: 17.0, 3: 20.0}, 0.0)
     c = DepthController(costs, [0.3, 0.1, 0.03], 3, retry_rows=256, probe_rows=64, start_off=True)

@@ -128,8 +128,9 @@ def test_several_mtp_layers_round_trip_at_every_depth(ckpt, tmp_path, family):
         assert mx.array_equal(a[0], b[0]).item() and mx.array_equal(a[1], b[1]).item()
 
 
-def test_fp8_checkpoint_converts_to_its_dequantised_float_weights(ckpt, tmp_path):
-    src = ckpt("deepseek_v3", quantization_config=FP8)
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5", "mimo"])
+def test_fp8_checkpoint_converts_to_its_dequantised_float_weights(ckpt, tmp_path, family):
+    src = ckpt(family, quantization_config=FP8)
     convert(src, tmp_path / "out", dtype="float32", progress=False)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in config  # the written weights are not fp8

@@ -399,3 +399,14 @@ def test_an_empty_input_file_whose_prompt_column_is_null_typed_joins_the_others(
 def test_a_bad_command_line_is_one_line_naming_the_option_and_exit_2(args, fragment):
     line = one_error_line(invoke(*args))
     assert fragment in line and "--help" in line
+
+
+def test_ctrl_c_before_a_job_installs_its_handler_is_one_line_and_exit_130(tmp_path, monkeypatch):
+    import pipeline.summary
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline.summary, "load_or_compute", interrupted)
+    result = invoke("inspect", tmp_path)
+    assert result.exit_code == 130 and "mtplx: interrupted" in result.stderr, (result.exit_code, result.output)

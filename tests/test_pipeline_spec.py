@@ -157,3 +157,7 @@ def test_a_relative_glob_resolves_under_a_spec_directory_whose_name_holds_glob_c
     job.write_text('[input]\npath = "data/*.parquet"\n[prompt]\ncolumn = "prompt"\n[output]\npath = "out"\n')
     s = load_spec(job)
     assert sorted(glob.glob(s.input.path)) == [str(base / "data" / "a.parquet"), str(base / "data" / "b.parquet")]
+    literal = base / "data[2024].parquet"  # a file name with brackets is no pattern when it exists
+    literal.write_bytes(b"")
+    job.write_text('[input]\npath = "data[2024].parquet"\n[prompt]\ncolumn = "prompt"\n[output]\npath = "out"\n')
+    assert load_spec(job).input.path == str(literal)

@@ -256,3 +256,14 @@ def test_a_signal_while_the_summary_is_written_waits_for_it_then_exits_143(tmp_p
     assert result.summary["rows"] == 3 and "interrupted by SIGTERM after the last row" in result.warnings[-1]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"] == 3
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_an_engine_factory_of_three_arguments_still_runs_a_fixed_depth_job(tmp_path, fake_model_dir):
+    spec = spec_from_dict({"model": {"path": str(tmp_path / "model"), "depth": 2},
+                           "input": {"path": str(write_parquet(tmp_path / "in.parquet", prompt=["ab", "cd"]))},
+                           "prompt": {"column": "prompt"}, "generation": {"max_tokens": 3},
+                           "output": {"path": str(tmp_path / "out")}})
+    fake = fake_engine_factory()
+    result = run_job(spec, RunOptions(quiet=True), engine_factory=lambda ref, spec, max_memory: fake(ref, spec, max_memory),
+                     log=lambda s: None)
+    assert result.exit_code == 0 and result.summary["rows"] == 2
