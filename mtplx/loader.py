@@ -188,8 +188,9 @@ def _load_head(path, config, family, trunk, files, shapes):
         head = family.build_head(trunk, config, tensors, shapes, quantization=quant, mlx_layout=True)
         return head, {"source": SIDECAR, "quantization": quant}
     tensors = load_tensors(files, lambda k: family.is_mtp_key(k, config))
-    if fp8_block_size(config) is not None:
-        tensors = dequantize_fp8_weights(tensors, fp8_block_size(config))
+    block = fp8_block_size(config)
+    if block is not None:  # the trunk's sanitize dequantises its own (trunk_classes)
+        tensors = dequantize_fp8_weights(tensors, block)
     if not tensors:
         if family.num_mtp_layers(config) > 0:
             warnings.warn(
