@@ -25,7 +25,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from .engine import load_tokenizer
 from .errors import JobError
-from .outdir import OutputState, part_files, start_output
+from .outdir import AUTO_SAMPLED_DEPTH, OutputState, part_files, start_output
 from .progress import Progress
 from .prompts import PromptEncoder
 from .reader import PromptRow, read_rows
@@ -112,12 +112,16 @@ def run_on_ray(job, opts, state: OutputState, started: float, log):
     try:
         if todo > 0:
             placement = place_actors(ray.cluster_resources(), _alive_nodes(ray), spec.ray.actors)
-            workers, ready = _start_workers(ray, job, out, placement)
+            recorded = state.recorded.get(AUTO_SAMPLED_DEPTH) if spec.model.depth == "auto" else None
+            workers, ready = _start_workers(ray, job, out, placement, recorded)
             settings = _settings(ready, placement, spec)
             prompts = -(-todo // job.plan.n)  # the shards count prompt rows; each has n samples
             settings["shard_rows"] = shard_size(spec.ray.shard_rows, prompts, placement.actors,
                                                 settings.get("max_batch", spec.batch.max_batch))
-        start_output(state, job.manifest)  # the actors loaded the model: now --overwrite may remove
+        manifest = job.manifest
+        if workers and ready[0]["sampled_depth"] is not None:  # depth auto: what a resume reuses
+            manifest = {**manifest, AUTO_SAMPLED_DEPTH: ready[0]["sampled_depth"]}
+        start_output(state, manifest)  # the actors loaded the model: now --overwrite may remove
         if not opts.quiet:
             note = f"resuming: {state.rows_done} rows already in {out}" if state.rows_done else f"writing to {out}"
             log(f"{spec.name}: {note}; on Ray with {len(workers)} actors")
@@ -207,26 +211,44 @@ def _alive_nodes(ray) -> int:
     return sum(1 for n in ray.nodes() if n.get("Alive"))
 
 
-def _start_workers(ray, job, out: Path, placement: Placement):
+def _start_workers(ray, job, out: Path, placement: Placement, sampled_depth=None):
+    """The actors, each with the model loaded, and what each reported. At
+    depth auto the job's sampled rows draw at one depth: a resumed job's
+    recorded one, else the one the first actor's calibration picks, which
+    the others are then given."""
     from .ray_worker import ShardWorker
 
     remote = ray.remote(ShardWorker)
     token = secrets.token_hex(3)  # names stay unique when jobs share a cluster
-    workers = [
-        remote.options(name=f"mtplx-{job.spec.name}-{token}-{i}", max_restarts=0, **placement.options)
-        .remote(job.ref, job.spec, job.plan, str(out))
-        for i in range(placement.actors)
-    ]
+
+    def start(i: int, depth):
+        return (remote.options(name=f"mtplx-{job.spec.name}-{token}-{i}", max_restarts=0, **placement.options)
+                .remote(job.ref, job.spec, job.plan, str(out), depth))
+
+    workers, ready = [], []
     try:
-        ready = ray.get([w.ready.remote() for w in workers])
+        if job.spec.model.depth == "auto" and sampled_depth is None and placement.actors > 1:
+            workers.append(start(0, None))
+            ready += _ready(ray, workers)
+            sampled_depth = ready[0]["sampled_depth"]
+        rest = [start(i, sampled_depth) for i in range(len(workers), placement.actors)]
+        workers += rest
+        ready += _ready(ray, rest)
     except ray.exceptions.RayError as e:
         _stop(ray, workers, False)
         raise JobError(f"an MTPLX actor could not start: {_first_line(e)}") from None
+    except JobError:
+        _stop(ray, workers, False)
+        raise
+    return workers, ready
+
+
+def _ready(ray, workers) -> List[dict]:
+    ready = ray.get([w.ready.remote() for w in workers])
     for info in ready:
         if info["error"]:
-            _stop(ray, workers, False)
             raise JobError(info["error"])
-    return workers, ready
+    return ready
 
 
 def _settings(ready: List[dict], placement: Placement, spec) -> dict:
@@ -237,7 +259,7 @@ def _settings(ready: List[dict], placement: Placement, spec) -> dict:
         "address": spec.ray.address,
         "actors": placement.actors,
         "placement": placement.rule,
-        "per_actor": [{"node": r["node"], **r["settings"]} for r in ready],
+        "per_actor": [{"node": r["node"], **r["settings"], "sampled_depth": r["sampled_depth"]} for r in ready],
     }
 
 

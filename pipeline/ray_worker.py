@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Iterable, Iterator, List
+from typing import Iterable, Iterator, List, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -65,7 +65,7 @@ class ShardReport:
 
 
 class ShardWorker:
-    def __init__(self, ref: ModelRef, spec: JobSpec, plan: Plan, out: str):
+    def __init__(self, ref: ModelRef, spec: JobSpec, plan: Plan, out: str, sampled_depth: Optional[int] = None):
         self.node = socket.gethostname()
         self.plan = plan
         self.spec = spec
@@ -74,7 +74,8 @@ class ShardWorker:
         self.error = None  # a bad job seen on this node; reported by ready()
         try:
             self._check_node(ref)
-            self.engine = open_engine(ref, spec, spec.batch.max_memory)
+            given = {} if sampled_depth is None else {"sampled_depth": sampled_depth}  # depth auto: the job's
+            self.engine = open_engine(ref, spec, spec.batch.max_memory, **given)
         except JobError as e:
             self.error = f"on node {self.node}: {e}"
 
@@ -89,7 +90,9 @@ class ShardWorker:
                            "shares (see docs/ray.md)")
 
     def ready(self) -> dict:
-        return {"node": self.node, "error": self.error, "settings": self.engine.settings if self.engine else {}}
+        plan = self.engine.stats.get("auto_depth", {}) if self.engine else {}
+        return {"node": self.node, "error": self.error, "settings": self.engine.settings if self.engine else {},
+                "sampled_depth": plan.get("depth")}
 
     def run_shard(self, shard: int, rows: List[PromptRow]) -> ShardReport:
         if self.error:

@@ -276,3 +276,27 @@ def test_shards_are_long_but_every_actor_gets_work():
     assert shard_size(None, prompts=40, actors=2, max_batch=4) == 20
     assert shard_size(None, prompts=10**7, actors=8, max_batch=16) == MAX_SHARD_ROWS
     assert shard_size(7, prompts=10**7, actors=8, max_batch=16) == 7  # [ray] shard_rows wins
+
+
+@pytest.mark.ray
+def test_ray_actors_sample_at_one_auto_depth_which_a_resume_reuses(tmp_path, tiny_model, inputs, ray_cluster):
+    import json
+
+    out = tmp_path / "out"
+    job = job_file(tmp_path / "job.toml", tiny_model, inputs, out)
+    job.write_text(job.read_text().replace("depth = 2", 'depth = "auto"').replace("max_tokens = 10", "max_tokens = 3"))
+    r = invoke("run", job, "--engine", "ray", "--actors", "2", "--quiet")
+    assert r.exit_code == 1, r.output
+    actors = summary_of(out)["runtime"]["per_actor"]
+    depths = {a["sampled_depth"] for a in actors}
+    assert len(actors) == 2 and len(depths) == 1  # the second actor took the first one's depth
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["auto_sampled_depth"] == depths.pop()
+    other = (manifest["auto_sampled_depth"] + 1) % 4  # a first run that chose another depth
+    (out / "manifest.json").write_text(json.dumps({**manifest, "auto_sampled_depth": other}))
+    for part in sorted(out.glob("part-*.parquet"))[1:]:
+        part.unlink()
+    r = invoke("run", job, "--engine", "ray", "--actors", "2", "--quiet")
+    assert r.exit_code == 1, r.output
+    assert {a["sampled_depth"] for a in summary_of(out)["runtime"]["per_actor"]} == {other}
+    assert len(rows_by_key(out)) == ROWS * N
