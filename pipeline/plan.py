@@ -89,6 +89,9 @@ def make_plan(spec: JobSpec, source: InputSource, logprobs: bool) -> Plan:
     reference = None
     if spec.evaluation is not None:
         reference = need(spec.evaluation.reference_column, "[evaluation] reference_column")
+        t = source.schema.field(reference).type
+        if not (is_id_type(t) or pa.types.is_null(t)):  # bytes or floats would be compared as their repr
+            raise JobError(f"reference column {reference!r} must hold strings or integers, not {t}")
     keep = tuple(need(c, "[input] keep_columns") for c in spec.input.keep_columns)
     passthrough = tuple(c for c in dict.fromkeys(prompt_columns + ((reference,) if reference else ()) + keep)
                         if c != id_column)

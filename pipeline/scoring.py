@@ -23,7 +23,9 @@ def make_scorer(spec: EvaluationSpec) -> Scorer:
     def score(completion: str, reference) -> Optional[float]:
         if reference is None or completion is None:
             return None
-        ref = reference if isinstance(reference, str) else str(reference)
+        ref = reference if isinstance(reference, str) else str(reference)  # an integer answer
+        if not norm(ref):  # "" is in every completion and matches every regex: no answer to score against
+            return None
         if spec.scorer == "exact":
             return float(norm(completion) == norm(ref))
         if spec.scorer == "contains":

@@ -146,7 +146,10 @@ def test_chat_messages_use_the_tokenizer_chat_template(tmp_path, tiny_model):
     ("exact", "abc", " abc\n", 1.0), ("exact", "abc", "abcd", 0.0),
     ("contains", "bc", "abcd", 1.0), ("contains", "x", "abcd", 0.0),
     ("regex", r"^a.c", "abcd", 1.0), ("regex", r"\d+", "abcd", 0.0), ("regex", "(", "abcd", None),
-    ("exact", None, "abc", None),
+    ("exact", None, "abc", None), ("exact", 42, "42", 1.0),
+    # A reference with no text is no answer: "" is in every completion and matches every regex.
+    ("contains", "", "abcd", None), ("contains", "   ", "abcd", None), ("regex", "", "abcd", None),
+    ("exact", "", "", None),
 ])
 def test_scorers(scorer, reference, completion, expected):
     from pipeline.scoring import make_scorer
@@ -231,3 +234,16 @@ def test_inspect_of_a_foreign_parquet_file_named_like_a_part_is_a_bad_job(tmp_pa
     write_parquet(d / "part-00000.parquet", id=["a"], prompt=["the cat"])
     r = invoke("inspect", d)
     assert r.exit_code == 2 and "not an MTPLX output part" in r.stderr and "part-00000.parquet" in r.stderr
+
+
+def test_a_reference_column_of_bytes_or_floats_is_a_bad_job_not_a_silent_zero(tmp_path, tiny_model):
+    import pyarrow as pa
+
+    for name, values in (("binary", pa.array([b"ab", b"cd"])), ("float", pa.array([3.0, 4.0]))):
+        inp = write_parquet(tmp_path / f"{name}.parquet", prompt=["a b", "c d"], reference=values)
+        job = write_job(tmp_path / f"{name}.toml",
+                        f'[model]\npath = "{tiny_model}"\n[input]\npath = "{inp}"\n[prompt]\ncolumn = "prompt"\n'
+                        f'[evaluation]\nreference_column = "reference"\n[generation]\nmax_tokens = 2\n'
+                        f'[output]\npath = "{tmp_path / name}"\n')
+        result = invoke("run", job)
+        assert result.exit_code == 2 and "reference column 'reference' must hold strings or integers" in result.stderr
