@@ -379,7 +379,7 @@ class DepthController:
             self.timing.pair_count(0, best) < self.timing.min_pairs and self._plain_bursts < MEASURE_PLAIN_BURSTS)
         if not going_off:
             self._plain_bursts = 0
-        if self.off and self.rows_seen >= self._retry_after and not draining:
+        if self.off:  # here only when a probe is due (see the top)
             self.off, self.rows_seen, self.probing = False, 0, True
         elif going_off and not measure_plain:
             self.off, self.rows_seen, self._plain_bursts = True, 0, 0

@@ -33,13 +33,17 @@ def dequantize_fp8_weights(weights: Dict[str, mx.array], block: int) -> Dict[str
     """`weights` with every fp8 weight that has a scale replaced by its
     bfloat16 value, and the scales dropped. A scale whose weight is missing
     or not fp8 stays, for the strict load to name."""
+    def is_fp8(weight) -> bool:
+        return weight is not None and weight.dtype == mx.uint8
+
     out = {}
     for k, v in weights.items():
-        scale = weights.get(k + SCALE_SUFFIX) if v.dtype == mx.uint8 else None
-        if scale is not None:
-            out[k] = dequantize_block(v, scale, block)
-        elif not (k.endswith(SCALE_SUFFIX) and weights.get(k[: -len(SCALE_SUFFIX)], v).dtype == mx.uint8):
-            out[k] = v
+        if k.endswith(SCALE_SUFFIX):
+            if not is_fp8(weights.get(k[: -len(SCALE_SUFFIX)])):
+                out[k] = v  # no fp8 weight takes it
+            continue
+        scale = weights.get(k + SCALE_SUFFIX)
+        out[k] = dequantize_block(v, scale, block) if scale is not None and is_fp8(v) else v
     return out
 
 

@@ -44,12 +44,22 @@ def stop_token_id_list(ids) -> Tuple[int, ...]:
 
 
 def _whole(v, message: str) -> int:
-    """An int, a numpy int or a whole float (5.0, as prompt ids take them)."""
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+    n = whole_number(v)
+    if n is None:
+        raise TypeError(f"{message}, got {v!r}")
+    return n
+
+
+def whole_number(v) -> Optional[int]:
+    """v as an int when it is an int, a numpy int or a whole float (5.0 is the
+    id it spells), else None; bool is an int subclass but never a number here."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, numbers.Integral):
         return int(v)
-    if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and float(v).is_integer():
+    if isinstance(v, numbers.Real) and math.isfinite(v) and float(v).is_integer():
         return int(v)
-    raise TypeError(f"{message}, got {v!r}")
+    return None
 
 
 def seed_value(seed) -> int:
@@ -110,12 +120,10 @@ def token_id(t, i: int) -> int:
         return t
     if hasattr(t, "as_py"):  # a pyarrow scalar
         t = t.as_py()
-    # An integral float (5.0) is the id it spells; bool is an int subclass but never an id.
-    if isinstance(t, numbers.Integral) and not isinstance(t, bool):
-        return int(t)
-    if isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t) and float(t).is_integer():
-        return int(t)
-    raise PromptError(f"prompt token ids must be integers; position {i} is {_short_repr(t)}")
+    n = whole_number(t)
+    if n is None:
+        raise PromptError(f"prompt token ids must be integers; position {i} is {_short_repr(t)}")
+    return n
 
 
 def _short_repr(v, limit: int = 60) -> str:
