@@ -3,6 +3,9 @@
 The handler raises `JobInterrupted` where the main thread is, unless a part is
 being written; then the signal is held and raised when the write is done. The
 runner catches it, flushes the rows already finished and exits 128 + signal.
+Once one signal has been raised the job is stopping: a second (a double
+Ctrl-C, or SIGTERM then SIGINT) is let go, so that it cannot break into the
+final flush before that flush is shielded.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class Stopper:
         self._depth = 0
         self._pending = None
         self._previous = {}
+        self.stopping = False  # a JobInterrupted has been raised: later signals are let go
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -38,9 +42,15 @@ class Stopper:
         self._previous.clear()
 
     def _handle(self, signum, frame):
+        if self.stopping:
+            return
         if self._depth:
             self._pending = signum
             return
+        self._raise(signum)
+
+    def _raise(self, signum: int):
+        self.stopping = True
         raise JobInterrupted(signum)
 
     @contextmanager
@@ -53,7 +63,7 @@ class Stopper:
             self._depth -= 1
         if not self._depth and self._pending is not None:
             signum, self._pending = self._pending, None
-            raise JobInterrupted(signum)
+            self._raise(signum)
 
     @contextmanager
     def shielded(self):

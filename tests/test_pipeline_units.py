@@ -4,6 +4,7 @@ totals, and resume logic driven by a fake engine."""
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -118,6 +119,25 @@ def test_a_signal_during_a_part_write_is_held_until_the_part_is_whole(tmp_path):
         with pytest.raises(JobInterrupted):
             w.flush()
         assert pq.read_table(tmp_path / "part-00000.parquet").num_rows == 1
+    finally:
+        stopper.restore()
+
+
+def test_a_second_signal_cannot_break_into_the_flush_after_the_first():
+    # SIGTERM then SIGINT (or a double Ctrl-C): both pending at once, CPython
+    # runs the second handler right after the first raises, before the runner
+    # reaches its shielded final flush.
+    stopper = Stopper()
+    stopper.install()
+    try:
+        with pytest.raises(JobInterrupted) as first:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handlers run between bytecodes: the first raises here
+        assert first.value.signum == signal.SIGTERM and stopper.stopping
+        os.kill(os.getpid(), signal.SIGINT)  # while the runner flushes
+        with stopper.critical():
+            pass  # leaving a critical section raises no held signal either
     finally:
         stopper.restore()
 
