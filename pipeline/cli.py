@@ -209,12 +209,19 @@ def generate_cmd(input_path, output_path, model, prompt_column, messages_column,
         "batch": {"max_batch": batch_size},
         "output": {"path": str(output_path), "flush_rows": flush_rows},
     }
-    if id_column is None:
+    defaulted = id_column is None
+    if defaulted:
         id_column = _default_id_column(input_path, output_path)
     if id_column:  # "" keys the rows by row index, as a job leaving id_column unset does
         doc["input"]["id_column"] = id_column
     spec = spec_from_dict(doc)
-    _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
+    try:
+        _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
+    except JobError as e:
+        if defaulted and id_column and str(e).startswith(f"id column {id_column!r}"):
+            raise JobError(f"{e} (the input's {id_column!r} column was taken as the row ids; "
+                           f"--id-column '' keys the rows by row index)") from None
+        raise
 
 
 def _default_id_column(input_path: str, output_path: Path):

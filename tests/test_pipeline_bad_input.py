@@ -367,8 +367,9 @@ def test_a_top_k_past_int32_keeps_every_token_instead_of_crashing(tmp_path, tiny
 
 def test_an_empty_id_column_option_keys_rows_by_index_past_an_unusable_id_column(tmp_path, tiny_model):
     inp = write_parquet(tmp_path / "in.parquet", id=[1.5, 1.5, 2.0, 3.0], prompt=PROMPTS)
-    assert "must hold integers or strings" in one_error_line(
+    line = one_error_line(
         invoke("generate", "--input", inp, "--output", tmp_path / "o1", "--model", tiny_model, "--max-tokens", 4))
+    assert "must hold integers or strings" in line and "--id-column '' keys the rows by row index" in line
     result = invoke("generate", "--input", inp, "--output", tmp_path / "o2", "--model", tiny_model,
                     "--max-tokens", 4, "--id-column", "")
     assert result.exit_code == 0, result.output
