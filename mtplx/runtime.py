@@ -123,6 +123,27 @@ class MTPLXRuntime:
             self.auto.controller, self.eos = controller, eos
         mx.synchronize()
 
+    def warm_up(self, sampling: SamplingParams = SamplingParams(), logprobs: bool = False) -> None:
+        """Decode a full batch of dummy rows for one cycle at full depth and
+        forget them: the passes later calls with these settings run are then
+        traced, and on the CPU backend their kernels built (a cold kernel
+        cache takes tens of seconds), before the caller's own work starts.
+        Outputs do not change. Depth "auto" warms up when it is built."""
+        if self.auto is not None and self.auto.controller is not None:
+            return
+        max_tokens, prompt_len = self.depth + 2, 2  # the first token, then one cycle drafting `depth`
+        limit = self.model.max_context
+        if limit is not None and prompt_len + max_tokens > limit:
+            return
+        prompts = [[1 + b % (self.model.vocab_size - 1)] * prompt_len for b in range(self.max_batch)]
+        eos, self.eos = self.eos, set()  # no dummy row ends early
+        try:
+            self.generate(prompts, sampling=sampling, max_tokens=max_tokens, logprobs=logprobs)
+        finally:
+            self.eos = eos
+        mx.synchronize()
+        self._reset_stats()
+
     # -- public API ----------------------------------------------------------
     def generate(
         self,

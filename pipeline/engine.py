@@ -145,6 +145,14 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled
         raise JobError(f"[model] depth {spec.model.depth!r} is not available: {e}") from None
     except ValueError as e:
         raise JobError(str(e)) from None
+    # The job's passes traced and their kernels built now, while loading: on
+    # the CPU backend MLX runs the system compiler for each new kernel through
+    # system(), which ignores SIGINT in the whole process meanwhile, so a
+    # Ctrl-C in the job's first cycles (seconds of them on a cold kernel
+    # cache) would be lost.
+    s = spec.sampling
+    runtime.warm_up(mtplx.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p),
+                    logprobs=spec.generation.logprobs)
     settings = {
         "depth": getattr(runtime, "depth", spec.model.depth),
         "max_batch": sizing.max_batch,

@@ -220,3 +220,59 @@ def test_numpy_sampling_values_seeds_and_a_lone_stop_id_are_accepted(rt):
     assert a[0].tokens == b[0].tokens
     with pytest.raises(TypeError, match="stop_token_ids"):
         rt.generate([GOOD], max_tokens=2, stop_token_ids=["a"])
+
+
+# -- warm-up --------------------------------------------------------------------------
+
+
+def test_warm_up_changes_no_output_and_leaves_the_stats_of_a_fresh_runtime(tmp_path):
+    path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=VOCAB)
+    model = make_predictable(mtplx.load(path))
+    cold = MTPLXRuntime(model, MTPContract(depth=2), max_batch=4)
+    warm = MTPLXRuntime(model, MTPContract(depth=2), max_batch=4)
+    fresh = {k: v for k, v in warm.stats.items()}
+    sampling = mtplx.SamplingParams(temperature=0.9, top_p=0.9)
+    warm.warm_up(sampling, logprobs=True)
+    assert warm.stats == fresh and not warm.launch_started
+    prompts = [GOOD, [9, 3], [4] * 7]
+    kwargs = dict(sampling=sampling, max_tokens=9, seed=5, logprobs=True)
+    a, b = cold.generate(prompts, **kwargs), warm.generate(prompts, **kwargs)
+    assert [(c.tokens, c.logprobs, c.finish_reason) for c in a] == [(c.tokens, c.logprobs, c.finish_reason) for c in b]
+    untimed = lambda stats: {k: v for k, v in stats.items() if not k.endswith("_seconds")}
+    assert untimed(cold.stats) == untimed(warm.stats) != untimed(fresh)
+
+
+WARM_UP_THEN_GENERATE = """
+import os, sys
+from pathlib import Path
+import mtplx
+from mtplx import MTPContract, MTPLXRuntime
+kernels = lambda: sum(1 for p in Path(os.environ["TMPDIR"]).rglob("*") if p.is_file())
+rt = MTPLXRuntime(mtplx.load(sys.argv[1]), MTPContract(depth=2), max_batch=4)
+sampling = mtplx.SamplingParams(temperature=0.9)
+rt.warm_up(sampling)
+built = kernels()
+rt.generate([[5, 6, 7]] * 4, sampling=sampling, max_tokens=12)
+print(built, kernels())
+"""
+
+
+@pytest.mark.slow  # builds every kernel from nothing: about a minute here
+def test_after_warm_up_a_batch_at_its_settings_builds_no_kernel(tmp_path):
+    # On the CPU backend MLX builds a kernel by running the C++ compiler
+    # through system(), which ignores SIGINT process-wide meanwhile; a job
+    # warms up before it installs its handlers so that no Ctrl-C is lost.
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=VOCAB)
+    cache = tmp_path / "kernels"
+    cache.mkdir()
+    env = {**cli_env(), "TMPDIR": str(cache)}
+    r = subprocess.run([sys.executable, "-c", WARM_UP_THEN_GENERATE, str(path)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    built, after = map(int, r.stdout.split())
+    assert built > 0 and after == built
