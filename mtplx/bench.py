@@ -49,7 +49,7 @@ model's 128 held-out prompts accept 0.70, which is what "auto" plans from.
 
 `--quick` is what `make bench` runs (QUICK below): batch sizes 1,4,16, depths
 0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, prompts clipped to their
-last 128 tokens; a run is 1 prompt at batch size 1 (40 rounds), 16 streamed
+last 128 tokens; a run is 1 prompt at batch size 1 (40 rounds), 32 streamed
 through 4 slots at batch size 4 and one batch of 16 at 16 (5 rounds each).
 """
 
@@ -76,15 +76,16 @@ DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
 # `make bench`: every depth and both temperatures, at the batch sizes the issue's
 # targets name plus 16; prompts clipped to 128 tokens so that prompt processing
 # (which speculation does not speed up) stays a minority of the wall time.
-# At batch 4 a run streams 16 prompts through the 4 slots, as a job refills
+# At batch 4 a run streams 32 prompts through the 4 slots, as a job refills
 # its slots from the queue: a run of one batch ends raggedly (its rows finish
 # at different cycles and nothing takes their slots), which at depth 3 left
 # 3.42 rows per cycle of 4 and capped its decode speed-up at 0.86 of the
-# per-row prediction; streaming 16, 3.68. At batch 1 there is no ragged end,
-# and at 16 a run of 16 prompts already takes 1-2.5 s.
+# per-row prediction; streaming 16, 3.68; 32, 3.85 (a job of thousands of rows
+# ends raggedly once). At batch 1 there is no ragged end, and at 16 a run of
+# 16 prompts already takes 1-2.5 s.
 QUICK = dict(
     batch_sizes=(1, 4, 16), depths=(0, 1, 2, 3, "auto"), temperatures=(0.0, 1.0),
-    max_tokens=64, repeats=5, max_prompt_tokens=128, num_prompts={1: 1, 4: 16, 16: 16},
+    max_tokens=64, repeats=5, max_prompt_tokens=128, num_prompts={1: 1, 4: 32, 16: 16},
 )
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
 SHORT_RUN_PROMPTS = 8  # runs of fewer prompts get proportionally more rounds (BenchPlan.rounds)

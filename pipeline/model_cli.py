@@ -112,7 +112,7 @@ def _listed(values) -> str:
 @click.option("--prompts", "num_prompts", callback=_csv(int), default=None,
               help="Prompts per run: one count for every batch size, or one per batch size, e.g. 1,16,16. "
                    "Prompts beyond the batch size stream through its slots, refilled as rows finish. "
-                   "Default: 16 at batch size 4 (4 per slot, as a job refills them), else one full batch.")
+                   "Default: 32 at batch size 4 (8 per slot, as a job refills them), else one full batch.")
 @click.option("--max-prompt-tokens", type=int, default=QUICK["max_prompt_tokens"], show_default=True,
               help="Keep each prompt's last N tokens.")
 @click.option("--repeats", type=int, default=QUICK["repeats"], show_default=True,

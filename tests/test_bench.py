@@ -260,7 +260,7 @@ def test_quick_flag_gives_make_bench_settings_and_flags_override_it():
     s = settings_from_args(parse_args(["--output", "x.json", "--quick", "--max-tokens", "32"]))
     assert s["batch_sizes"] == (1, 4, 16) and s["depths"] == (0, 1, 2, 3, "auto")
     assert s["max_tokens"] == 32 and s["repeats"] == 5 and s["max_prompt_tokens"] == 128
-    assert s["num_prompts"] == {1: 1, 4: 16, 16: 16}  # batch 4 streams 16 prompts through its slots
+    assert s["num_prompts"] == {1: 1, 4: 32, 16: 16}  # batch 4 streams 32 prompts through its slots
     plain = settings_from_args(parse_args(["--output", "x.json", "--depths", "0,auto"]))
     assert plain["depths"] == (0, "auto") and "batch_sizes" not in plain  # run_bench's default
     assert "num_prompts" not in plain  # one full batch per run
@@ -279,7 +279,7 @@ def test_prompts_per_run_is_one_count_or_one_per_batch_size():
     # --quick's counts are by batch size: one it leaves out runs one batch.
     s = settings_from_args(parse_args(["--output", "x", "--quick", "--batch-sizes", "2,4"]))
     plan = BenchPlan(s["batch_sizes"], (0,), (0.0,), 8, s["num_prompts"], 5, 0)
-    assert [plan.prompts_per_run(B) for B in (2, 4)] == [2, 16]
+    assert [plan.prompts_per_run(B) for B in (2, 4)] == [2, 32]
     with pytest.raises(ValueError):
         BenchPlan((4,), (0,), (0.0,), 8, {4: 0}, 5, 0)
 
