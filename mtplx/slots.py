@@ -29,6 +29,7 @@ class Row:
     logprobs: Optional[List[float]] = None
     stop_checked: int = 0
     done: bool = False
+    stop_ids: Optional[frozenset] = None  # end-of-sequence and the request's stop ids, set on first use
 
     def __post_init__(self):
         self.drafted = np.zeros(self.depth, dtype=np.int64)
