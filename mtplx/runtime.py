@@ -98,11 +98,12 @@ class MTPLXRuntime:
             self.stats["auto_depth"] = self.auto.record
             self.auto.record["cycles_by_depth"] = {str(k): 0 for k in range(self.depth + 1)}
 
-    def _warm_up_every_depth(self):
+    def _warm_up_every_depth(self, sampling: SamplingParams = SamplingParams(), logprobs: bool = False):
         """Trace the passes of every depth the controller may pick, after
         every other (`autodepth.warm_up_depths`), on a batch of dummy rows
         that no end of sequence stops, so that the job's first cycles at
-        each depth do not pay for it."""
+        each depth do not pay for it. (Sampled rows under the residual rule
+        run at the job's one depth instead, until max_tokens.)"""
         from .autodepth import DepthSequence, WarmUpDone, warm_up_depths
 
         depths = warm_up_depths(self.depth)
@@ -114,9 +115,9 @@ class MTPLXRuntime:
         controller, eos = self.auto.controller, self.eos
         self.auto.controller, self.eos = DepthSequence(depths), set()
         self._reset_stats()
-        prompts = [[1 + b % (self.model.vocab_size - 1)] * 4 for b in range(self.max_batch)]
+        prompts = [[(1 + b) % self.model.vocab_size] * 4 for b in range(self.max_batch)]
         try:
-            self.generate(prompts, max_tokens=max_tokens)
+            self.generate(prompts, sampling=sampling, max_tokens=max_tokens, logprobs=logprobs)
         except WarmUpDone:
             pass
         finally:
@@ -128,14 +129,18 @@ class MTPLXRuntime:
         forget them: the passes later calls with these settings run are then
         traced, and on the CPU backend their kernels built (a cold kernel
         cache takes tens of seconds), before the caller's own work starts.
-        Outputs do not change. Depth "auto" warms up when it is built."""
+        Outputs do not change. Depth "auto" warms its greedy passes up when
+        it is built; here it runs the sampled or logprobs ones at every depth."""
         if self.auto is not None and self.auto.controller is not None:
+            if not sampling.greedy or logprobs:
+                self._warm_up_every_depth(sampling, logprobs)
+                self._reset_stats()
             return
         max_tokens, prompt_len = self.depth + 2, 2  # the first token, then one cycle drafting `depth`
         limit = self.model.max_context
         if limit is not None and prompt_len + max_tokens > limit:
             return
-        prompts = [[1 + b % (self.model.vocab_size - 1)] * prompt_len for b in range(self.max_batch)]
+        prompts = [[(1 + b) % self.model.vocab_size] * prompt_len for b in range(self.max_batch)]
         eos, self.eos = self.eos, set()  # no dummy row ends early
         try:
             self.generate(prompts, sampling=sampling, max_tokens=max_tokens, logprobs=logprobs)

@@ -218,7 +218,7 @@ def generate_cmd(input_path, output_path, model, prompt_column, messages_column,
     try:
         _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
     except JobError as e:
-        if defaulted and id_column and str(e).startswith(f"id column {id_column!r}"):
+        if defaulted and id_column and str(e).startswith(f"id column {id_column!r}") and "--id-column" not in str(e):
             raise JobError(f"{e} (the input's {id_column!r} column was taken as the row ids; "
                            f"--id-column '' keys the rows by row index)") from None
         raise

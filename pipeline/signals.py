@@ -15,7 +15,11 @@ import threading
 from contextlib import contextmanager
 
 
-class JobInterrupted(Exception):
+class JobInterrupted(BaseException):
+    """A BaseException, as KeyboardInterrupt is: raised wherever the main
+    thread is, it must not be taken for the failure of what was running there
+    (a tokenizer's `except Exception` made it a row error and the job went on)."""
+
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum

@@ -142,6 +142,19 @@ def test_a_second_signal_cannot_break_into_the_flush_after_the_first():
         stopper.restore()
 
 
+def test_a_signal_while_a_prompt_is_tokenized_stops_the_job_instead_of_failing_that_row():
+    from pipeline.prompts import PromptEncoder
+    from pipeline.spec import PromptSpec
+
+    class SignalledTokenizer:  # the Stopper's handler raising inside a tokenizer call
+        def encode(self, text, add_special_tokens=True):
+            raise JobInterrupted(signal.SIGINT)
+
+    encoder = PromptEncoder(PromptSpec(column="prompt"), SignalledTokenizer())
+    with pytest.raises(JobInterrupted):
+        encoder.build({"prompt": "hello"})
+
+
 # -------------------------------------------------------------- summary
 
 
