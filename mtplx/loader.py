@@ -179,7 +179,11 @@ def eos_token_ids(path: Path, config: dict):
 
 def _load_head(path, config, family, trunk, files, shapes):
     sidecar = path / SIDECAR
-    if sidecar.exists():
+    # `mtplx convert` marks its head in config.json; a release may name a
+    # shard of HF-layout head tensors mtp.safetensors too, and read as MLX
+    # layout those would make a wrong head without an error.
+    converted = (config.get("mtplx") or {}).get("mtp_format") == "mlx"
+    if sidecar.exists() and converted:
         from .checkpoint import read_header
 
         read_header(sidecar)
@@ -187,6 +191,8 @@ def _load_head(path, config, family, trunk, files, shapes):
         quant = config.get("mtplx", {}).get("head_quantization")
         head = family.build_head(trunk, config, tensors, shapes, quantization=quant, mlx_layout=True)
         return head, {"source": SIDECAR, "quantization": quant}
+    if sidecar.exists() and sidecar not in files:  # an HF-layout head shard no index names
+        files = files + [sidecar]
     tensors = load_tensors(files, lambda k: family.is_mtp_key(k, config))
     block = fp8_block_size(config)
     if block is not None:  # the trunk's sanitize dequantises its own (trunk_classes)

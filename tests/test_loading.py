@@ -89,6 +89,32 @@ def test_loads_from_a_directory_without_an_index(ckpt):
     assert mtplx.load(path).head is not None
 
 
+def test_an_hf_layout_head_shard_named_mtp_safetensors_is_read_as_hf_layout(ckpt):
+    # Some Qwen3.5 exports keep the mtp.* tensors in a shard of that name, the
+    # name `mtplx convert` gives its MLX-layout head; read as that layout, the
+    # zero-centred norms went unshifted and the head was wrong without an error.
+    from mlx.utils import tree_flatten
+
+    path = ckpt("qwen3_5")
+    reference = dict(tree_flatten(mtplx.load(path).head.parameters()))
+    tensors = {}
+    for f in sorted(path.glob("model-*.safetensors")):
+        tensors.update(mx.load(str(f)))
+        f.unlink()
+    head = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+    assert head
+    write_shards(path, {k: v for k, v in tensors.items() if k not in head}, 1)
+    mx.save_safetensors(str(path / "mtp.safetensors"), head, metadata={"format": "pt"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "mtp.safetensors" for k in head})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = mtplx.load(path)
+    assert model.info["source"] == "shards"
+    loaded = dict(tree_flatten(model.head.parameters()))
+    assert loaded.keys() == reference.keys()
+    assert all(mx.array_equal(loaded[k], reference[k]).item() for k in reference)
+
+
 # -- no head ------------------------------------------------------------------------
 
 
