@@ -143,8 +143,10 @@ def _load_trunk(path: Path, family: FamilyAdapter, config: dict) -> nn.Module:
         trunk, _ = load_model(path, lazy=True, strict=True, get_model_classes=classes)
     except CheckpointError:
         raise
-    except Exception as e:
-        raise CheckpointError(f"cannot load the trunk from {path}: {e}") from None
+    except KeyError as e:  # a family's sanitize looking up a tensor the checkpoint lacks
+        raise CheckpointError(f"cannot load the trunk from {path}: missing tensor {e.args[0]!r}") from None
+    except Exception as e:  # mlx-lm's messages run over lines ("Missing 1 parameters: \n name.")
+        raise CheckpointError(f"cannot load the trunk from {path}: {' '.join(str(e).split())}") from None
     return trunk
 
 

@@ -364,10 +364,9 @@ def _write_sidecar(src: Path, dst: Path, head: nn.Module, quantization=None):
 
     shutil.copytree(src, dst)
     mx.save_safetensors(str(dst / "mtp.safetensors"), {"mtp." + k: v for k, v in tree_flatten(head.parameters())})
-    if quantization:
-        config = json.loads((dst / "config.json").read_text())
-        config["mtplx"] = {"head_quantization": quantization}
-        (dst / "config.json").write_text(json.dumps(config))
+    config = json.loads((dst / "config.json").read_text())
+    config["mtplx"] = {"head_quantization": quantization, "mtp_format": "mlx"}  # as mtplx convert marks it
+    (dst / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite", "mimo"])

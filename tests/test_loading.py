@@ -156,7 +156,8 @@ def test_truncated_shard_is_named(ckpt):
         ("deepseek_v3", "model.layers.2.enorm.weight", "enorm"),
         ("deepseek_v3", "model.layers.2.mlp.experts.1.up_proj.weight", "model.layers.2.mlp.experts.1.up_proj.weight"),
         ("deepseek_v3", "model.layers.2.embed_tokens.weight", "embed_tokens"),
-        ("glm4_moe_lite", "model.layers.2.self_attn.kv_b_proj.weight", "embed_q"),
+        # the checkpoint's name, not the head's embed_q / unembed_out it is split into
+        ("glm4_moe_lite", "model.layers.2.self_attn.kv_b_proj.weight", r"model\.layers\.2\.self_attn\.kv_b_proj\.weight"),
         ("mimo", "model.mtp_layers.0.input_proj.weight", "input_proj"),
         ("qwen3_next", "mtp.pre_fc_norm_hidden.weight", "pre_fc_norm_hidden"),
     ],
@@ -189,6 +190,28 @@ def test_misshaped_mtp_tensor_is_named(ckpt):
     rewrite(path, lambda t: t.__setitem__("model.layers.2.eh_proj.weight", mx.zeros((32, 32))))
     with pytest.raises(CheckpointError, match=r"eh_proj.weight.*shape \(32, 32\), expected \(32, 64\)"):
         mtplx.load(path)
+
+
+def test_a_misshaped_mtp_tensor_the_trunk_transforms_is_named_as_the_checkpoint_names_it(ckpt):
+    path = ckpt("glm4_moe_lite")
+    key = "model.layers.2.self_attn.kv_b_proj.weight"
+    rewrite(path, lambda t: t.__setitem__(key, t[key][:-4]))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.self_attn\.kv_b_proj\.weight' has shape .* as "
+                                              r"model\.layers\.1\.self_attn\.kv_b_proj\.weight has"):
+        mtplx.load(path)
+
+
+@pytest.mark.parametrize("family, key", [
+    ("qwen3_5", "model.language_model.layers.1.mlp.down_proj.weight"),
+    ("deepseek_v3", "model.layers.1.mlp.experts.1.gate_proj.weight"),  # a key the trunk's sanitize looks up
+])
+def test_a_missing_trunk_tensor_is_one_line_naming_what_is_missing(ckpt, family, key):
+    path = ckpt(family)
+    rewrite(path, lambda t: t.pop(key))
+    with pytest.raises(CheckpointError) as e:
+        mtplx.load(path)
+    message = str(e.value)
+    assert "\n" not in message and "issing" in message and "layers.1.mlp" in message, message
 
 
 def test_mtp_layers_beyond_the_declared_count_are_an_error(ckpt):

@@ -171,6 +171,7 @@ def _build_head(trunk, config, tensors: Dict[str, mx.array], shard_shapes, quant
         weights = {k[len("mtp."):]: v for k, v in tensors.items()}
     else:
         n = _check_layer_ids(tensors, n_trunk, _num_mtp_layers(config))
+        _check_block_like_the_last_trunk_layer(tensors, shard_shapes, n_trunk, n)
         weights = _hf_to_head(trunk, tensors, n_trunk, n)
     ref = len(inner.layers) - 1
     head = DeepSeekMTPHead(args, type(inner.layers[ref]), n_trunk, n)
@@ -198,6 +199,26 @@ def _check_layer_ids(tensors, n_trunk: int, declared: int) -> int:
             f"num_nextn_predict_layers={declared}"
         )
     return n
+
+
+def _check_block_like_the_last_trunk_layer(tensors, shard_shapes: Dict[str, tuple], n_trunk: int, n: int) -> None:
+    """Each MTP layer's decoder block holds the tensors of the last trunk
+    layer, of the same shapes: checked on the checkpoint's own names, before
+    the trunk's transforms rename them (kv_b_proj -> embed_q / unembed_out)."""
+    ref = f"model.layers.{n_trunk - 1}."
+    # Block-fp8 scales are gone by now: the head's tensors come dequantised.
+    block = {k[len(ref):]: s for k, s in shard_shapes.items() if k.startswith(ref) and not k.endswith("_scale_inv")}
+    for j in range(n):
+        src = f"model.layers.{n_trunk + j}."
+        have = {k[len(src):]: tuple(v.shape) for k, v in tensors.items() if k.startswith(src)}
+        missing = sorted(src + k for k in block if k not in have)
+        if missing:
+            more = f" (and {len(missing) - 4} more)" if len(missing) > 4 else ""
+            raise CheckpointError(f"missing MTP tensor(s): {', '.join(missing[:4])}{more}")
+        for k, shape in block.items():
+            if have[k] != tuple(shape):
+                raise CheckpointError(f"MTP tensor {src + k!r} has shape {have[k]}, "
+                                      f"expected {tuple(shape)} as {ref + k} has")
 
 
 def _hf_to_head(trunk, tensors, n_trunk: int, n: int) -> Dict[str, mx.array]:

@@ -109,7 +109,7 @@ def _build_head(trunk, config, tensors: Dict[str, mx.array], shard_shapes, quant
     else:
         weights = _hf_to_head(trunk, args, tensors, shard_shapes, ref, n)
     maybe_quantize_head(head, weights, quantization)
-    load_head_weights(head, weights, "qwen MTP head")
+    load_head_weights(head, weights, "qwen MTP head (its X is checkpoint mtp.X)")
     bind_shared(head, embed=lambda t: inner.embed_tokens(t), lm_head=_lm_head(trunk))
     return head
 
