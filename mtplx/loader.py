@@ -157,6 +157,11 @@ def _load_tokenizer(path: Path, config: dict):
         raise CheckpointError(f"cannot load the tokenizer from {path}: {e}") from None
 
 
+# A tokenizer's vocabulary lives in one of these (fast, SentencePiece, BPE, WordPiece, tiktoken).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "tiktoken.model", "qwen.tiktoken")
+
+
 def load_tokenizer(path: Path, config: dict):
     """The checkpoint's tokenizer as mlx-lm loads it, never running code
     shipped with the checkpoint: a release whose config names its own
@@ -166,6 +171,10 @@ def load_tokenizer(path: Path, config: dict):
     else config.json's, as `mlx_lm.load` takes them."""
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
+    if not any((Path(path) / name).is_file() for name in VOCABULARY_FILES):
+        # transformers would build a tokenizer of its special tokens alone,
+        # which encodes every text as [] (each prompt an "empty prompt").
+        raise CheckpointError(f"no vocabulary file (one of {', '.join(VOCABULARY_FILES)})")
     return mlx_load_tokenizer(path, {"trust_remote_code": False}, eos_token_ids=eos_token_ids(path, config))
 
 

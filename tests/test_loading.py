@@ -299,3 +299,12 @@ def test_a_release_that_names_its_own_code_loads_on_a_terminal_without_asking_to
     assert "LOADED" in text and "custom code" not in text, text[-2000:]
     assert time.perf_counter() - t0 < 12  # no 15 s wait for an answer
     assert not ran.exists()
+
+
+def test_a_checkpoint_without_a_tokenizer_vocabulary_is_a_clear_error(ckpt):
+    # transformers alone builds a tokenizer of the special tokens, which
+    # encodes every text as [] and makes each prompt an "empty prompt".
+    path = ckpt("mimo")
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer from .*: no vocabulary file .*tokenizer.json"):
+        mtplx.load(path)
