@@ -112,17 +112,14 @@ class MTPLXRuntime:
             max_tokens = min(max_tokens, self.model.max_context - 4)
         if max_tokens < 1:
             return  # a context too short for dummy rows: the job's first bursts trace instead
-        controller, eos = self.auto.controller, self.eos
-        self.auto.controller, self.eos = DepthSequence(depths), set()
+        controller, self.auto.controller = self.auto.controller, DepthSequence(depths)
         self._reset_stats()
-        prompts = [[(1 + b) % self.model.vocab_size] * 4 for b in range(self.max_batch)]
         try:
-            self.generate(prompts, sampling=sampling, max_tokens=max_tokens, logprobs=logprobs)
+            self._decode_dummy_rows(4, max_tokens, sampling, logprobs)
         except WarmUpDone:
             pass
         finally:
-            self.auto.controller, self.eos = controller, eos
-        mx.synchronize()
+            self.auto.controller = controller
 
     def warm_up(self, sampling: SamplingParams = SamplingParams(), logprobs: bool = False) -> None:
         """Decode a full batch of dummy rows for one cycle at full depth and
@@ -140,14 +137,18 @@ class MTPLXRuntime:
         limit = self.model.max_context
         if limit is not None and prompt_len + max_tokens > limit:
             return
+        self._decode_dummy_rows(prompt_len, max_tokens, sampling, logprobs)
+        self._reset_stats()
+
+    def _decode_dummy_rows(self, prompt_len: int, max_tokens: int, sampling: SamplingParams, logprobs: bool):
+        """A full batch of dummy rows that no end of sequence stops."""
         prompts = [[(1 + b) % self.model.vocab_size] * prompt_len for b in range(self.max_batch)]
-        eos, self.eos = self.eos, set()  # no dummy row ends early
+        eos, self.eos = self.eos, set()
         try:
             self.generate(prompts, sampling=sampling, max_tokens=max_tokens, logprobs=logprobs)
         finally:
             self.eos = eos
-        mx.synchronize()
-        self._reset_stats()
+            mx.synchronize()
 
     # -- public API ----------------------------------------------------------
     def generate(

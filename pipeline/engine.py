@@ -150,9 +150,7 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled
     # system(), which ignores SIGINT in the whole process meanwhile, so a
     # Ctrl-C in the job's first cycles (seconds of them on a cold kernel
     # cache) would be lost.
-    s = spec.sampling
-    runtime.warm_up(mtplx.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p),
-                    logprobs=spec.generation.logprobs)
+    runtime.warm_up(sampling_params(spec), logprobs=spec.generation.logprobs)
     settings = {
         "depth": getattr(runtime, "depth", spec.model.depth),
         "max_batch": sizing.max_batch,
@@ -160,6 +158,14 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled
         "estimated_memory_bytes": sizing.estimated_bytes,
     }
     return Engine(model.tokenizer, model.max_context, Request, runtime, settings)
+
+
+def sampling_params(spec: JobSpec):
+    """The job's [sampling] as the runtime's SamplingParams (the seed travels apart)."""
+    from mtplx.sampling import SamplingParams
+
+    s = spec.sampling
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
 
 
 def check_memory_cap(ref: ModelRef, spec: JobSpec) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
 from .engine import (ModelRef, OpenEngine, check_memory_cap, load_tokenizer, max_context_of, open_engine, read_config,
-                     resolve_model)
+                     resolve_model, sampling_params)
 from .errors import EXIT_OK, EXIT_ROW_ERRORS, JobError
 from .ids import KeySet, check_ids
 from .inputs import InputSource, open_input
@@ -186,11 +186,8 @@ def _stream(job: Prepared, engine, state: OutputState, writer: PartWriter, progr
 def stream_rows(rows: Iterable[PromptRow], plan: Plan, engine, writer: PartWriter, progress) -> None:
     """Prompt rows -> length order -> the runtime -> output rows in `writer`;
     `progress.row(...)` is told about every row. The Ray actors run this too."""
-    from mtplx.sampling import SamplingParams
-
     spec = plan.spec
-    s = spec.sampling
-    sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+    sampling = sampling_params(spec)
     scorer = make_scorer(spec.evaluation) if spec.evaluation else None
     inflight: dict = {}
 
@@ -201,7 +198,7 @@ def stream_rows(rows: Iterable[PromptRow], plan: Plan, engine, writer: PartWrite
 
     ordered = length_ordered(rows, spec.batch.window, on_error)
     feed = requests(ordered, plan, engine.request_type, sampling, inflight)
-    for c in engine.stream(feed, seed=s.seed):
+    for c in engine.stream(feed, seed=spec.sampling.seed):
         r = inflight[c.index]
         r.pending -= 1
         if r.pending == 0:
