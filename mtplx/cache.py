@@ -23,6 +23,11 @@ import mlx.core as mx
 _STEP = 256  # capacity grows in multiples of this many positions
 
 
+def rounded_capacity(needed: int) -> int:
+    """The capacity a slot cache holding `needed` positions grows to."""
+    return -(-needed // _STEP) * _STEP
+
+
 def put_rows(full: mx.array, rows: Sequence[int], values: Union[mx.array, float]) -> mx.array:
     """`full` [B, ...] with rows `rows` (host ints, distinct) replaced by
     `values` ([len(rows), ...] in that order, or a scalar).

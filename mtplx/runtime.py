@@ -76,6 +76,7 @@ class MTPLXRuntime:
         self.eos = set(model.eos_token_ids)
         # The verify keeps per-step gated-delta states only when commit can roll back.
         self._verify = SlotPass(model.forward, keep_pending=self.depth > 0, compiled=contract.compile)
+        self._prompt_step = SlotPass(model.forward, keep_pending=False, compiled=contract.compile)  # prefill's last token
         self._draft_chain = DraftChain(model.head, model.num_head_layers, contract.acceptance,
                                        compiled=contract.compile) if self.depth > 0 else None
         # When each recent cycle launch started. In steady decoding launch to
@@ -286,7 +287,8 @@ class MTPLXRuntime:
         first token of every sample of every request in one vectorised step."""
         self._disturbed = True
         t0 = time.perf_counter()
-        pres = prefill_by_length(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0)
+        pres = prefill_by_length(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0,
+                                 step=self._prompt_step)
         self.stats["prefill_seconds"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in batch)
         reqs = [req for req, _ in batch]

@@ -9,8 +9,12 @@ a scaled-down contribution, so its output still depends on the whole context
 (and on every cache being right).
 """
 
+import glob
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+from mtplx.testing import tiny_checkpoint
 
 _OUT_PROJ = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "shared_expert.down_proj.weight")
 
@@ -68,3 +72,14 @@ def mlx_lm_greedy(model, prompt, max_tokens):
             break
         out.append(int(tok))
     return out
+
+
+def bf16_checkpoint(family, path):
+    """A tiny checkpoint of `family` (vocabulary 48) with its float tensors
+    stored in bf16, as the releases ship them."""
+    path = tiny_checkpoint(family, path, vocab_size=48, max_position_embeddings=300)
+    for f in glob.glob(str(path / "*.safetensors")):
+        tensors = mx.load(f)
+        mx.save_safetensors(f, {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in tensors.items()},
+                            metadata={"format": "pt"})
+    return path

@@ -96,14 +96,51 @@ def test_length_groups_are_the_cheapest_cuts_of_the_sorted_lengths():
 
 
 def test_prefill_by_length_gives_each_prompt_what_it_gets_alone_in_input_order(tmp_path):
+    from mtplx.compiled import SlotPass
+    from mtplx.decode_model import prepare_for_decoding
     from mtplx.prefill import prefill_batch, prefill_by_length
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "q", vocab_size=48))
+    prepare_for_decoding(model)
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(1, 48, n).tolist() for n in (40, 3, 37, 5, 41)]
-    got = prefill_by_length(model, prompts, chunk=512, with_head=True, call_positions=8)
+    prompts = [rng.integers(1, 48, n).tolist() for n in (40, 3, 1, 37, 5, 41)]
+    # Groups of several lengths (one of one-token prompts) and one compiled
+    # last-token step over all of them, padded to 8 rows.
+    step = SlotPass(model.forward, keep_pending=False, compiled=True)
+    got = prefill_by_length(model, prompts, chunk=512, with_head=True, call_positions=8, step=step)
     for p, pre in zip(prompts, got):
-        alone = prefill_batch(model, [p], 512, True)[0]
+        alone = prefill_batch(model, [p], 512, True)[0]  # eager, unpadded
         assert pre.length == len(p)
         assert mx.allclose(pre.last_logits, alone.last_logits, rtol=1e-4, atol=1e-5).item()
-        assert mx.allclose(pre.trunk_cache[-1].keys, alone.trunk_cache[-1].keys, rtol=1e-4, atol=1e-5).item()
+        assert mx.allclose(pre.last_hidden, alone.last_hidden, rtol=1e-4, atol=1e-5).item()
+        for mine, ref in zip(pre.trunk_cache, alone.trunk_cache):
+            for a, b in zip(vars(mine).values(), vars(ref).values()):
+                assert a.shape == b.shape and mx.allclose(a, b, rtol=1e-4, atol=1e-5).item()
+        assert [h.keys.shape[2] for h in pre.head_cache] == [len(p) - 1] * len(pre.head_cache)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+def test_the_first_token_logits_are_mlx_lm_s_after_its_one_token_short_prompt_pass(tmp_path, family):
+    # In bf16, bit for bit: a prompt pass over the last prompt token too
+    # rounds it differently (mtplx.prefill.last_token_step).
+    from mtplx.decode_model import prepare_for_decoding
+    from mtplx.prefill import prefill_by_length
+
+    from model_helpers import bf16_checkpoint
+
+    path = bf16_checkpoint(family, tmp_path / family)
+    model, reference = mtplx.load(path), mtplx.load(path)
+    prepare_for_decoding(model)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 48, n).tolist() for n in (12, 1, 30, 29)]
+    # Chunks of 8 leave none of one position, which mlx-lm's latent
+    # attention would compute in its one-position form (as it does itself
+    # when its own 2048-token chunks leave one).
+    got = prefill_by_length(model, prompts, chunk=8, with_head=False)
+    for p, pre in zip(prompts, got):
+        cache = reference.make_cache()
+        if len(p) > 1:
+            reference.trunk(mx.array([p[:-1]]), cache=cache)
+        want = reference.trunk(mx.array([p[-1:]]), cache=cache)[:, -1]  # [1, V]
+        assert pre.last_logits.dtype == mx.bfloat16
+        assert mx.array_equal(pre.last_logits, want).item()
