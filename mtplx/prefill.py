@@ -46,7 +46,7 @@ class Prefilled:
 class _PromptPass:
     """One group's prompt pass over every prompt but its last token."""
 
-    cache: list  # mlx-lm trunk caches, right-padded to L positions
+    cache: Optional[list]  # mlx-lm trunk caches, right-padded to L positions (None once copied to slots)
     head_cache: Optional[list]  # mlx-lm head caches: pairs (h_t, x_{t+1}) for t < L
     L: int  # the group's longest prefix
     rows: int
@@ -113,6 +113,8 @@ def last_token_step(model, passes: List[_PromptPass], prefix: List[int], last: L
                 s.keys, s.values = keys, _stacked(passes, [c.values for c in caches], rows, capacity)
                 s.lengths = mx.array(prefix + [0] * (rows - B), dtype=mx.int32)  # [rows]
                 s.host_max = capacity - 1
+    for p in passes:
+        p.cache = None  # the slot caches replace them: a group's KV is not held twice
     tokens = mx.array([[t] for t in last] + [[0]] * (rows - B), dtype=mx.int32)  # [rows, 1]
     logits, hidden = step((tokens,), slots, T=1) if step is not None else model.forward(tokens, slots)
     mx.eval([a for s in slots for a in s.arrays if a is not None] + [logits, hidden])
