@@ -69,6 +69,8 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from .mtp_patch import MAX_DEPTH
+
 Depth = Union[int, str]
 
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
@@ -125,8 +127,10 @@ class BenchPlan:
         if len(set(self.batch_sizes)) < len(self.batch_sizes):  # a --prompts count per size would be lost
             raise ValueError(f"batch sizes repeat: {self.batch_sizes}")
         for d in self.depths:
-            if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
-                raise ValueError(f"depths must be ints >= 0 or 'auto', got {d!r}")
+            if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DEPTH):
+                raise ValueError(f"depths must be ints in 0..{MAX_DEPTH} or 'auto', got {d!r}")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"the seed must be in [0, 2**64), got {self.seed}")
         if not self.depths:
             raise ValueError("at least one depth is needed")
         if not self.temperatures or min(self.temperatures) < 0:
@@ -222,15 +226,21 @@ def run_bench(
         int(max_tokens), num_prompts, int(repeats), int(seed), max_prompt_tokens,
     )
     log = _progress_printer(progress)
+    asked = plan.depths
     path = Path(model_path) if model_path is not None else default_model_path()
     model = load(path)
-    plan = _depths_the_model_can_run(plan, model, path, log)
+    plan = _depths_the_model_can_run(plan, model, path)
+    if 0 not in plan.depths:  # measured_speedup is over MTPLX's plain decoding in the same rounds
+        plan = replace(plan, depths=(0,) + plan.depths)
+        _notice("depth 0 added: measured speed-ups are over MTPLX's plain decoding, run in the same rounds")
     # The baseline gets its own load, in mlx-lm's layout: MTPLX's runtime
     # re-lays the weights it decodes with for the CPU's GEMM (mtplx.gemm_layout).
     reference = load(path)
     texts, source = (list(prompts), "given") if prompts is not None else default_prompts()
     pool = encode_prompts(model.tokenizer, texts, plan.max_prompt_tokens)
     header = header_record(path, plan, len(pool), source)
+    if asked != plan.depths:
+        header["settings"]["depths_asked"] = list(asked)
     records = [header]
     for B in plan.batch_sizes:
         records += bench_batch_size(model, reference, plan, pool, B, log)
@@ -240,7 +250,12 @@ def run_bench(
     return records
 
 
-def _depths_the_model_can_run(plan: BenchPlan, model, path: Path, log) -> BenchPlan:
+def _notice(message: str) -> None:
+    """A change to what was asked for: on stderr even under --quiet."""
+    print(f"mtplx bench: {message}", file=sys.stderr, flush=True)
+
+
+def _depths_the_model_can_run(plan: BenchPlan, model, path: Path) -> BenchPlan:
     """Without an MTP head only plain decoding runs: the speculative fixed
     depths are left out (auto then plans plain decoding), or a clear error
     when nothing else was asked for."""
@@ -251,7 +266,7 @@ def _depths_the_model_can_run(plan: BenchPlan, model, path: Path, log) -> BenchP
     if not kept:
         raise ValueError(f"{path}: this checkpoint has no MTP head, so it can only be benchmarked at depth 0 "
                          "(plain decoding): pass --depths 0")
-    log(f"{path}: no MTP head: depths {', '.join(map(str, drafting))} left out (plain decoding only)")
+    _notice(f"{path}: no MTP head: depths {', '.join(map(str, drafting))} left out (plain decoding only)")
     return replace(plan, depths=kept)
 
 
@@ -346,11 +361,12 @@ def setting_records(runtimes: Dict[Depth, object], B: int, t: float, base_runs: 
     records = []
     for d, rt in runtimes.items():
         rec = mtplx_record(rt, d, B, t, pairs[d], costs, plan)
-        lo, hi = rec["ratio_spread"]
-        log(
-            f"  B={B} T={t:g} depth={d}: {rec['tokens_per_s']:.1f} tok/s, "
-            f"x{rec['ratio_vs_mlx_lm']:.3f} vs mlx-lm [{lo:.3f}, {hi:.3f}]"
-        )
+        if rec["ratio_vs_mlx_lm"] is None:  # every baseline run generated nothing
+            versus = "no ratio to mlx-lm (its runs generated no tokens)"
+        else:
+            lo, hi = rec["ratio_spread"]
+            versus = f"x{rec['ratio_vs_mlx_lm']:.3f} vs mlx-lm [{lo:.3f}, {hi:.3f}]"
+        log(f"  B={B} T={t:g} depth={d}: {rec['tokens_per_s']:.1f} tok/s, {versus}")
         records.append(rec)
     add_measured_speedups(records)
     add_auto_vs_best(records)
@@ -545,7 +561,7 @@ def add_auto_vs_best(records: List[dict]) -> None:
     stays as `auto_vs_best_same_rounds`). Dividing the two medians against
     mlx-lm would also carry four runs' noise."""
     auto = next((r for r in records if r["depth"] == "auto"), None)
-    fixed = [r for r in records if r["depth"] != "auto"]
+    fixed = [r for r in records if r["depth"] != "auto" and r["ratio_vs_mlx_lm"] is not None]
     if auto is None or not fixed:
         return
     best = max(fixed, key=lambda r: r["ratio_vs_mlx_lm"])
@@ -763,7 +779,7 @@ def blas_in_use() -> dict:
     without OpenBLAS mapped are not comparable to ones with it."""
     libs_sorted = _mapped_libraries(("blas", "lapack", "mkl"))
     preload = os.environ.get("LD_PRELOAD", "")
-    if any("openblas" in s for s in libs_sorted):
+    if any(_mlx_may_use(lib) and "openblas" in Path(lib).name.lower() for lib in libs_sorted):
         name = "OpenBLAS"
     elif sys.platform == "darwin":
         name = "Accelerate"
@@ -776,6 +792,14 @@ def blas_in_use() -> dict:
         # How long idle OpenBLAS threads spin before sleeping (pipeline.preload).
         "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
     }
+
+
+def _mlx_may_use(lib: str) -> bool:
+    """False for a BLAS a wheel bundles for itself under a private name
+    (numpy's and scipy's libscipy_openblas, in their *.libs folders): it is
+    mapped into every process that imports numpy, and MLX never calls it."""
+    name = Path(lib).name.lower()
+    return not ("scipy_openblas" in name or Path(lib).parent.name.endswith(".libs"))
 
 
 # ------------------------------------------------------------------ prompts
@@ -791,7 +815,7 @@ def default_prompts() -> Tuple[List[str], str]:
         texts = [p for p in texts if p]
         if texts:
             return texts, str(REPO_PROMPTS)
-    except (ImportError, OSError, KeyError):
+    except (ImportError, OSError, KeyError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
         pass
     return list(BUILTIN_PROMPTS), "built-in"
 
@@ -885,11 +909,12 @@ def main(argv=None) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from .bench_report import check_writable, format_table, require_matplotlib, write_plot
+    from .bench_report import check_plot_format, check_writable, format_table, require_matplotlib, write_plot
 
     check_writable(args.output, "--output")  # fail before the run, not after it
     if args.plot:
         require_matplotlib()
+        check_plot_format(args.plot)
         check_writable(args.plot, "--plot")
     records = run_bench(args.model, **settings_from_args(args))
     Path(args.output).write_text(json.dumps(records, indent=2) + "\n")

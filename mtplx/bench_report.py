@@ -95,6 +95,17 @@ def check_writable(path, what: str) -> None:
         p.unlink()
 
 
+def check_plot_format(path) -> None:
+    """A --plot file matplotlib can write, judged by its extension, before
+    the run rather than after it."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix and suffix not in formats:  # none: matplotlib's default format
+        raise ValueError(f"cannot draw --plot {path}: its extension must be one of {', '.join(sorted(formats))}")
+
+
 def require_matplotlib():
     """matplotlib.pyplot on a file-only backend, or a clear error naming the extra."""
     try:

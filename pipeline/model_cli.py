@@ -104,7 +104,7 @@ def _listed(values) -> str:
               help="Comma-separated decode batch sizes to measure, each a separate series.")
 @click.option("--depths", callback=_csv(_depth), default=_listed(QUICK["depths"]), show_default=True,
               help="Comma-separated MTP depths to compare with the baseline: 0 decodes plainly, 'auto' "
-                   "picks from the cost model.")
+                   "picks from the cost model. Depth 0 always runs: speed-ups are measured over it.")
 @click.option("--temperatures", callback=_csv(float), default=_listed(QUICK["temperatures"]), show_default=True,
               help="Comma-separated sampling temperatures to measure at (0 = greedy).")
 @click.option("--max-tokens", type=int, default=QUICK["max_tokens"], show_default=True,
@@ -119,7 +119,7 @@ def _listed(values) -> str:
               help="Rounds per setting; each runs mlx-lm once, then every depth, in an order that changes "
                    "from round to round so that each depth runs as often in each place and after each other. "
                    "Runs of fewer than 8 prompts get 8 // prompts times as many.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True,
               help="Sampling seed for both engines, so that reruns draw the same tokens.")
 @click.option("--output", type=click.Path(), default="bench.json", show_default=True, help="Where the JSON records go.")
 @click.option("--plot", type=click.Path(), default=None, help="Also draw tokens/s against batch size (needs matplotlib).")
@@ -134,12 +134,13 @@ def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts,
     that bound what speculation can gain.
     """
     from mtplx.bench import prompts_by_batch_size, run_bench
-    from mtplx.bench_report import check_writable, format_table, require_matplotlib, write_plot
+    from mtplx.bench_report import check_plot_format, check_writable, format_table, require_matplotlib, write_plot
 
     try:
         check_writable(output, "--output")
         if plot:
             require_matplotlib()
+            check_plot_format(plot)
             check_writable(plot, "--plot")
     except (ImportError, RuntimeError, ValueError) as e:
         _fail(str(e))

@@ -149,6 +149,20 @@ def test_auto_vs_best_pairs_each_round_with_the_depth_best_on_the_other_rounds()
     assert "auto_vs_best" not in recs[1]
 
 
+def test_auto_vs_best_leaves_out_depths_without_a_ratio_and_needs_one_with_it():
+    # A setting whose mlx-lm runs all generated nothing (every row stopped at
+    # once) has no ratio at any depth.
+    recs = [
+        {"depth": 0, "ratio_vs_mlx_lm": None, "run_tokens_per_s": [100.0], "paired_ratios": []},
+        {"depth": "auto", "ratio_vs_mlx_lm": None, "run_tokens_per_s": [108.0]},
+    ]
+    add_auto_vs_best(recs)
+    assert "auto_vs_best" not in recs[1]
+    recs.insert(1, {"depth": 1, "ratio_vs_mlx_lm": 1.6, "run_tokens_per_s": [120.0], "paired_ratios": [1.6]})
+    add_auto_vs_best(recs)
+    assert recs[2]["best_fixed_depth"] == 1 and recs[2]["auto_vs_best"] == pytest.approx(0.9)
+
+
 def test_auto_vs_best_of_a_single_round_pairs_it_with_the_best_depth():
     recs = [
         {"depth": 0, "ratio_vs_mlx_lm": 1.4, "run_tokens_per_s": [100.0], "paired_ratios": [1.4]},
@@ -237,6 +251,23 @@ def test_default_prompts_come_from_the_prompts_parquet_else_the_built_in_list(tm
     assert bench.default_prompts() == (["def f():\n", "def g():\n"], str(path))
     monkeypatch.setattr(bench, "REPO_PROMPTS", tmp_path / "missing.parquet")
     assert bench.default_prompts() == (list(bench.BUILTIN_PROMPTS), "built-in")
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"PAR1 not really")
+    no_column = write_parquet(tmp_path / "q.parquet", id=["a"], text=["x"])
+    for bad in (corrupt, no_column):
+        monkeypatch.setattr(bench, "REPO_PROMPTS", bad)
+        assert bench.default_prompts() == (list(bench.BUILTIN_PROMPTS), "built-in")
+
+
+def test_the_blas_named_is_the_one_mlx_can_call_not_numpys_private_copy(monkeypatch):
+    numpy_own = "/venv/lib/python3.11/site-packages/numpy.libs/libscipy_openblas64_-8fb3d286.so"
+    mlx_own = "/venv/lib/python3.11/site-packages/mlx/lib/libblas.so.3"
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(bench, "_mapped_libraries", lambda parts: [mlx_own, numpy_own])
+    assert bench.blas_in_use()["name"] == "mlx bundled (reference BLAS)"
+    preloaded = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+    monkeypatch.setattr(bench, "_mapped_libraries", lambda parts: [preloaded, mlx_own, numpy_own])
+    assert bench.blas_in_use()["name"] == "OpenBLAS"
 
 
 def test_runs_of_fewer_than_eight_prompts_get_proportionally_more_rounds():
@@ -254,6 +285,11 @@ def test_plan_rejects_bad_depths_and_sizes():
     with pytest.raises(ValueError, match="repeat"):  # one size's --prompts count would be lost
         BenchPlan((2, 2), (0,), (0.0,), 4, {2: 3}, 1, 0)
     assert BenchPlan((1,), (1, "auto"), (0.0,), 4, None, 1, 0).cost_depths(3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="0..14"):  # refused before a model loads, as the runtime would
+        BenchPlan((1,), (0, 50), (0.0,), 4, None, 1, 0)
+    for seed in (-1, 2**64):  # mlx-lm's sampler seeds from it
+        with pytest.raises(ValueError, match="seed"):
+            BenchPlan((1,), (0,), (0.0,), 4, None, 1, seed)
 
 
 def test_quick_flag_gives_make_bench_settings_and_flags_override_it():
@@ -421,6 +457,17 @@ def test_a_checkpoint_without_an_mtp_head_is_benchmarked_plainly_or_refused_clea
                         prompts=[[3, 4, 5]], progress=False)
 
 
+def test_depth_0_runs_as_the_reference_of_measured_speedups_when_not_asked_for(tiny_model, capsys):
+    records = bench.run_bench(
+        tiny_model, batch_sizes=(1,), depths=(1,), temperatures=(0.0,), max_tokens=3, repeats=1,
+        prompts=[[3, 4, 5]], progress=False,
+    )
+    assert "depth 0 added" in capsys.readouterr().err  # said even without progress lines
+    assert records[0]["settings"]["depths"] == [0, 1] and records[0]["settings"]["depths_asked"] == [1]
+    assert [(r["engine"], r["depth"]) for r in records[1:]] == [("mlx_lm", None), ("mtplx", 0), ("mtplx", 1)]
+    assert records[-1]["measured_speedup"] is not None
+
+
 def test_tiny_run_has_one_record_per_engine_batch_size_depth_and_temperature(tiny_records):
     keys = [(r["engine"], r["batch_size"], r["depth"], r["temperature"]) for r in tiny_records[1:]]
     expected = [
@@ -529,6 +576,16 @@ def test_module_entry_asked_to_plot_without_matplotlib_stops_before_running_with
     err = capsys.readouterr().err
     assert rc == 2 and "matplotlib" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "b.json").exists()
+
+
+def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_run(tmp_path, capsys):
+    from mtplx.bench_report import check_plot_format
+
+    check_plot_format(tmp_path / "p.png")
+    with pytest.raises(ValueError, match="extension"):
+        check_plot_format(tmp_path / "p.xyz")
+    assert bench.main(["--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "p.xyz")]) == 2
+    assert "extension" in capsys.readouterr().err and not (tmp_path / "b.json").exists()
 
 
 def test_plot_draws_a_png(tmp_path):
