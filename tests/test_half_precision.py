@@ -38,10 +38,10 @@ def test_greedy_speculation_on_a_bf16_checkpoint_emits_mlx_lm_greedy_tokens(tmp_
     # checkpoint and 2 on the glm4_moe_lite one.
     prompts = [rng.integers(1, VOCAB, size=int(n)).tolist() for n in rng.integers(1, 61, size=22)] + [
         rng.integers(1, VOCAB, size=130).tolist(), [5]]
-    # One prompt at a time against mlx-lm: in bf16 a batch's composition can
-    # move a logit by one bf16 step (a qwen3_next checkpoint's mixture of
-    # experts, batch 4: 1.234 where mlx-lm had 1.25, one step under the top),
-    # and greedy then flips at a top-2 gap of that step.
+    # One prompt at a time against mlx-lm: prefilled with other prompts, a
+    # bf16 mixture of experts can round an output one bf16 step apart (a
+    # qwen3_next checkpoint at batch 4: a logit of 1.234 where mlx-lm had
+    # 1.25, one step under the top), and greedy then flips there.
     alone = [o.tokens for o in MTPLXRuntime(model, MTPContract(depth=0), max_batch=1).generate(prompts, max_tokens=16)]
     assert alone == [mlx_lm_greedy(reference, p, 16) for p in prompts]
     plain = [o.tokens for o in MTPLXRuntime(model, MTPContract(depth=0), max_batch=4).generate(prompts, max_tokens=16)]
