@@ -104,9 +104,9 @@ def last_token_step(model, passes: List[_PromptPass], prefix: List[int], last: L
     for i, s in enumerate(slots):
         caches = [p.cache[i] for p in passes]
         if isinstance(s, SlotGDNCache):
-            parts = _stacked(passes, [c[0] for c in caches], rows, None), _stacked(passes, [c[1] for c in caches], rows, None)
-            if parts[0] is not None:
-                s.conv, s.state = parts
+            conv = _stacked(passes, [c[0] for c in caches], rows, None)  # [rows, K-1, C]
+            if conv is not None:
+                s.conv, s.state = conv, _stacked(passes, [c[1] for c in caches], rows, None)  # [rows, Hv, Dv, Dk]
         else:
             keys = _stacked(passes, [c.keys for c in caches], rows, capacity)
             if keys is not None:
