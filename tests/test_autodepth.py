@@ -7,7 +7,7 @@ import pytest
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
-from mtplx.autodepth import DEPTH_TOLERANCE, HOLD_DEEPER, best_depth
+from mtplx.autodepth import DEPTH_TOLERANCE, HOLD_DEEPER, SINGLE_ROW_JOB_TIE, best_depth
 from mtplx.costs import BareCosts, CycleCosts, ideal_tokens_per_cycle, predicted_speedup
 from mtplx.testing import tiny_checkpoint
 
@@ -40,6 +40,21 @@ def test_a_deeper_depth_must_be_predicted_faster_by_the_tolerance_to_be_chosen()
     acc = [0.8, 0.6, 0.35]
     assert predicted_speedup(costs, acc, 3) / predicted_speedup(costs, acc, 2) > DEPTH_TOLERANCE
     assert best_depth(costs, acc, 3) == 3
+
+
+def test_one_rows_job_depth_is_the_deepest_within_a_near_tie_of_the_fastest():
+    costs = _costs(10.0, {1: 12.0, 2: 12.5, 3: 13.0}, 0.5)
+    acc = [0.8, 0.6, 0.22]  # depth 3 predicted 1% faster than depth 2
+    tie = SINGLE_ROW_JOB_TIE
+    assert best_depth(costs, acc, 3, tolerance=tie, deepest=True) == 3
+    acc = [0.8, 0.6, 0.10]  # depth 3 predicted slower than depth 2 by more than the tie
+    s2, s3 = predicted_speedup(costs, acc, 2), predicted_speedup(costs, acc, 3)
+    assert s3 * tie < s2
+    assert best_depth(costs, acc, 3, tolerance=tie, deepest=True) == 2
+    acc = [0.8, 0.6, 0.15]  # depth 2 ahead, but within the tie: the deeper one
+    s2, s3 = predicted_speedup(costs, acc, 2), predicted_speedup(costs, acc, 3)
+    assert s3 < s2 <= s3 * tie
+    assert best_depth(costs, acc, 3, tolerance=tie, deepest=True) == 3
 
 
 def test_compute_bound_verify_falls_back_to_plain_decoding():
