@@ -75,8 +75,10 @@ class MTPLXRuntime:
             self.depth = int(contract.depth)
         self.eos = set(model.eos_token_ids)
         # The verify keeps per-step gated-delta states only when commit can roll back.
+        # Also the prefill's one-position step over the last prompt tokens (a
+        # one-position pass keeps nothing pending): at depth 0 it is the
+        # decode step's own trace.
         self._verify = SlotPass(model.forward, keep_pending=self.depth > 0, compiled=contract.compile)
-        self._prompt_step = SlotPass(model.forward, keep_pending=False, compiled=contract.compile)  # prefill's last token
         self._draft_chain = DraftChain(model.head, model.num_head_layers, contract.acceptance,
                                        compiled=contract.compile) if self.depth > 0 else None
         # When each recent cycle launch started. In steady decoding launch to
@@ -134,7 +136,10 @@ class MTPLXRuntime:
                 self._warm_up_every_depth(sampling, logprobs)
                 self._reset_stats()
             return
-        max_tokens, prompt_len = self.depth + 2, 2  # the first token, then one cycle drafting `depth`
+        # The first token, then one cycle drafting `depth`; the prompt pass
+        # runs over two tokens, as over any longer prompt (over one, MLX
+        # builds other kernels for its size-1 axis).
+        max_tokens, prompt_len = self.depth + 2, 3
         limit = self.model.max_context
         if limit is not None and prompt_len + max_tokens > limit:
             return
@@ -288,7 +293,7 @@ class MTPLXRuntime:
         self._disturbed = True
         t0 = time.perf_counter()
         pres = prefill_by_length(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0,
-                                 step=self._prompt_step)
+                                 step=self._verify)
         self.stats["prefill_seconds"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in batch)
         reqs = [req for req, _ in batch]

@@ -252,6 +252,7 @@ rt = MTPLXRuntime(mtplx.load(sys.argv[1]), MTPContract(depth=2), max_batch=4)
 sampling = mtplx.SamplingParams(temperature=0.9)
 rt.warm_up(sampling)
 built = kernels()
+rt.eos = set()  # a row ending early shrinks the batch: other shapes, other kernels
 rt.generate([[5, 6, 7]] * 4, sampling=sampling, max_tokens=12)
 print(built, kernels())
 """
