@@ -909,13 +909,9 @@ def main(argv=None) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from .bench_report import check_plot_format, check_writable, format_table, require_matplotlib, write_plot
+    from .bench_report import check_output_paths, format_table, write_plot
 
-    check_writable(args.output, "--output")  # fail before the run, not after it
-    if args.plot:
-        require_matplotlib()
-        check_plot_format(args.plot)
-        check_writable(args.plot, "--plot")
+    check_output_paths(args.output, args.plot)  # fail before the run, not after it
     records = run_bench(args.model, **settings_from_args(args))
     Path(args.output).write_text(json.dumps(records, indent=2) + "\n")
     print(format_table(records))

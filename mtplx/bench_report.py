@@ -95,6 +95,16 @@ def check_writable(path, what: str) -> None:
         p.unlink()
 
 
+def check_output_paths(output, plot=None) -> None:
+    """Before a run of minutes: `output` writable, and `plot` (when asked
+    for) drawable: matplotlib installed, a format it writes, a writable path."""
+    check_writable(output, "--output")
+    if plot:
+        require_matplotlib()
+        check_plot_format(plot)
+        check_writable(plot, "--plot")
+
+
 def check_plot_format(path) -> None:
     """A --plot file matplotlib can write, judged by its extension, before
     the run rather than after it."""

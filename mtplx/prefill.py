@@ -215,7 +215,3 @@ def length_groups(lengths: List[int], call_positions: int) -> List[tuple]:
         runs.append((cut[j], j))
         j = cut[j]
     return runs[::-1]
-
-
-def prefill(model, ids: List[int], chunk: int, with_head: bool) -> Prefilled:
-    return prefill_batch(model, [ids], chunk, with_head)[0]

@@ -134,14 +134,10 @@ def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts,
     that bound what speculation can gain.
     """
     from mtplx.bench import prompts_by_batch_size, run_bench
-    from mtplx.bench_report import check_plot_format, check_writable, format_table, require_matplotlib, write_plot
+    from mtplx.bench_report import check_output_paths, format_table, write_plot
 
     try:
-        check_writable(output, "--output")
-        if plot:
-            require_matplotlib()
-            check_plot_format(plot)
-            check_writable(plot, "--plot")
+        check_output_paths(output, plot)
     except (ImportError, RuntimeError, ValueError) as e:
         _fail(str(e))
     try:
