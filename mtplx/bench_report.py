@@ -234,8 +234,11 @@ def _num(x, fmt: str) -> str:
 
 
 def _thread_timeout(blas: dict) -> str:
-    t = blas.get("openblas_thread_timeout")
-    return f" (thread timeout 2^{t} cycles)" if t and blas.get("name") == "OpenBLAS" else ""
+    if blas.get("name") != "OpenBLAS":
+        return ""
+    t, core = blas.get("openblas_thread_timeout"), blas.get("openblas_core")
+    parts = ([f"{core} kernels"] if core else []) + ([f"thread timeout 2^{t} cycles"] if t else [])
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _rounds(settings: dict) -> str:

@@ -19,6 +19,7 @@ from typing import Dict, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
+from .blas_threads import decode_threads, gemm_row_cost, use_threads
 from .cache import SlotKVCache, commit_gdn, make_slot_caches
 from .compiled import SlotPass, head_layer
 from .decode_model import prepare_for_decoding
@@ -115,7 +116,10 @@ class BareCostSampler:
         """Time `rounds` more interleaved rounds of every pass (the first
         call warms them up: tracing and kernel builds)."""
         warm = bool(self.times["step"])
-        times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if warm else 2)
+        try:
+            times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if warm else 2)
+        finally:
+            use_threads(None)  # the passes set OpenBLAS's threads as their cycles would
         for name, ts in times.items():
             self.times[name] += ts
 
@@ -147,12 +151,15 @@ def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: b
     gated-delta state is not rolled back; its values do not change the cost."""
     tokens = mx.zeros((B, max(depths, default=0) + 1), dtype=mx.int32)
     caches = _warm_trunk(model, B, context)
+    row_cost = gemm_row_cost(model)
 
     def trunk_pass(T):
         run = SlotPass(model.forward, keep_pending=T > 1, compiled=compiled)
         keep = mx.ones((B,), dtype=mx.int32)
+        threads = decode_threads(row_cost, B * T)  # as the runtime's cycle of this width runs it
 
         def verify():
+            use_threads(threads)
             out = run((tokens[:, :T],), caches, T=T)
             commit_gdn(caches, keep, all_kept=T == 1, compiled=compiled)
             return [*out] + [a for c in caches for a in c.arrays]
@@ -165,7 +172,13 @@ def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: b
         hidden = mx.zeros((B, 1, _hidden_size(model)), dtype=mx.float32)
         head_cache = _warm_head(model, B, context)[:1]
         run = SlotPass(head_layer(model.head, 0), keep_pending=False, compiled=compiled)
-        passes["head"] = _rolled_back(head_cache, lambda: run((hidden, tokens[:, :1]), head_cache, T=1))
+        threads = decode_threads(row_cost, B * (max(depths, default=0) + 1))  # a cycle at the deepest depth
+
+        def head():
+            use_threads(threads)
+            return run((hidden, tokens[:, :1]), head_cache, T=1)
+
+        passes["head"] = _rolled_back(head_cache, head)
     return passes
 
 

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
+from .blas_threads import decode_threads, gemm_row_cost, use_threads
 from .compiled import SlotPass
 from .completion import Completion, Request, error_completion, find_stop_string
 from .decide import decide
@@ -74,6 +75,9 @@ class MTPLXRuntime:
         else:
             self.depth = int(contract.depth)
         self.eos = set(model.eos_token_ids)
+        # What one GEMM row costs at most: decode cycles whose GEMMs are too
+        # small to split run OpenBLAS single-threaded (mtplx.blas_threads).
+        self._gemm_row_cost = gemm_row_cost(model)
         # The verify keeps per-step gated-delta states only when commit can roll back.
         # Also the prefill's one-position step over the last prompt tokens (a
         # one-position pass keeps nothing pending): at depth 0 it is the
@@ -201,6 +205,12 @@ class MTPLXRuntime:
         """Yield each Completion as soon as its row finishes. Requests are pulled
         lazily; the runtime alone decides batch composition."""
         seed = seed_value(seed)
+        try:
+            yield from self._stream(requests, seed)
+        finally:
+            use_threads(None)  # the rest of the process gets OpenBLAS as it was
+
+    def _stream(self, requests: Iterable[Request], seed: int) -> Iterator[Completion]:
         batch = SlotBatch(self.model, self.max_batch, self.depth)
         waiting = _Samples(iter(requests))
         inflight = None
@@ -291,6 +301,7 @@ class MTPLXRuntime:
         """Prefill encoded requests [(request, ids)] together, then draw the
         first token of every sample of every request in one vectorised step."""
         self._disturbed = True
+        use_threads(None)  # a prompt pass's GEMMs are large enough to split
         t0 = time.perf_counter()
         pres = prefill_by_length(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0,
                                  step=self._verify)
@@ -352,6 +363,7 @@ class MTPLXRuntime:
         return auto.controller.choose(draining=live > 1 and waiting.drained())
 
     def _launch(self, batch: SlotBatch, in_flight: int, k: int) -> "_InFlight":
+        use_threads(decode_threads(self._gemm_row_cost, batch.size * (k + 1)))  # the verify's rows
         t0 = time.perf_counter()
         self.launch_started.append(t0)
         if self.auto is not None and self.auto.controller is not None:
