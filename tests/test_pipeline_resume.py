@@ -68,12 +68,15 @@ def kill_at(job, out, min_parts: int, delay: float) -> bool:
     ("sampled", "temperature = 0.9\ntop_p = 0.95\nseed = 11", 2),
 ])
 def test_kill_9_at_random_points_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny_model, kind, sampling, n):
-    inp = make_inputs(tmp_path)
+    # 4x ROWS: a job of ROWS rows ended within 1.5 s of its start here, before
+    # the first kill point (the CI-like run of 2026-12-01 at 33b69e2).
+    rows = 4 * ROWS
+    inp = make_inputs(tmp_path, rows)
     ref_out, out = tmp_path / "reference", tmp_path / "out"
     r = invoke("run", job_spec(tmp_path, tiny_model, inp, ref_out, sampling, n, "reference"), "--quiet")
     assert r.exit_code == 0, r.output
     reference = rows_by_key(ref_out, n)
-    assert len(reference) == ROWS * n
+    assert len(reference) == rows * n
 
     job = job_spec(tmp_path, tiny_model, inp, out, sampling, n, "job")
     rng = random.Random(f"{kind}-kill-points")
