@@ -795,14 +795,14 @@ def blas_in_use() -> dict:
         # batch-4 verify on this machine Haswell's took ~1.4x SkylakeX's time.
         "openblas_core": _openblas_core([lib for lib in libs_sorted if _mlx_may_use(lib)]) if name == "OpenBLAS" else None,
         # Its threads outside decode cycles (small ones run on one, mtplx.blas_threads).
-        "openblas_threads": openblas_threads() if name == "OpenBLAS" else None,
+        "openblas_threads": _openblas_threads() if name == "OpenBLAS" else None,
     }
 
 
-def openblas_threads() -> Optional[int]:
-    from .blas_threads import openblas_threads as threads
+def _openblas_threads() -> Optional[int]:
+    from .blas_threads import openblas_threads
 
-    return threads()
+    return openblas_threads()
 
 
 def _openblas_core(libs: Sequence[str]) -> Optional[str]:

@@ -19,7 +19,7 @@ from typing import Dict, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from .blas_threads import decode_threads, gemm_row_cost, use_threads
+from .blas_threads import decode_threads, gemm_row_cost, release_threads, use_threads
 from .cache import SlotKVCache, commit_gdn, make_slot_caches
 from .compiled import SlotPass, head_layer
 from .decode_model import prepare_for_decoding
@@ -119,7 +119,7 @@ class BareCostSampler:
         try:
             times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if warm else 2)
         finally:
-            use_threads(None)  # the passes set OpenBLAS's threads as their cycles would
+            release_threads(self.passes)  # the passes set OpenBLAS's threads as their cycles would
         for name, ts in times.items():
             self.times[name] += ts
 
@@ -152,6 +152,7 @@ def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: b
     tokens = mx.zeros((B, max(depths, default=0) + 1), dtype=mx.int32)
     caches = _warm_trunk(model, B, context)
     row_cost = gemm_row_cost(model)
+    passes = {}  # also the owner of OpenBLAS's thread count while they run
 
     def trunk_pass(T):
         run = SlotPass(model.forward, keep_pending=T > 1, compiled=compiled)
@@ -159,23 +160,24 @@ def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: b
         threads = decode_threads(row_cost, B * T)  # as the runtime's cycle of this width runs it
 
         def verify():
-            use_threads(threads)
+            use_threads(threads, passes)
             out = run((tokens[:, :T],), caches, T=T)
             commit_gdn(caches, keep, all_kept=T == 1, compiled=compiled)
             return [*out] + [a for c in caches for a in c.arrays]
 
         return _rolled_back(caches, verify)
 
-    passes = {"step": trunk_pass(1)}
+    passes["step"] = trunk_pass(1)
     passes.update({k: trunk_pass(k + 1) for k in depths})
     if model.head is not None:
         hidden = mx.zeros((B, 1, _hidden_size(model)), dtype=mx.float32)
         head_cache = _warm_head(model, B, context)[:1]
         run = SlotPass(head_layer(model.head, 0), keep_pending=False, compiled=compiled)
-        threads = decode_threads(row_cost, B * (max(depths, default=0) + 1))  # a cycle at the deepest depth
+        # One cost for every depth: timed at the count of a depth-1 cycle (2B rows).
+        threads = decode_threads(row_cost, 2 * B)
 
         def head():
-            use_threads(threads)
+            use_threads(threads, passes)
             return run((hidden, tokens[:, :1]), head_cache, T=1)
 
         passes["head"] = _rolled_back(head_cache, head)

@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from .blas_threads import decode_threads, gemm_row_cost, use_threads
+from .blas_threads import decode_threads, gemm_row_cost, release_threads, use_threads
 from .compiled import SlotPass
 from .completion import Completion, Request, error_completion, find_stop_string
 from .decide import decide
@@ -206,9 +206,11 @@ class MTPLXRuntime:
         lazily; the runtime alone decides batch composition."""
         seed = seed_value(seed)
         try:
-            yield from self._stream(requests, seed)
+            for completion in self._stream(requests, seed):
+                release_threads(self)  # the caller's code between completions runs at its own count
+                yield completion
         finally:
-            use_threads(None)  # the rest of the process gets OpenBLAS as it was
+            release_threads(self)
 
     def _stream(self, requests: Iterable[Request], seed: int) -> Iterator[Completion]:
         batch = SlotBatch(self.model, self.max_batch, self.depth)
@@ -301,7 +303,7 @@ class MTPLXRuntime:
         """Prefill encoded requests [(request, ids)] together, then draw the
         first token of every sample of every request in one vectorised step."""
         self._disturbed = True
-        use_threads(None)  # a prompt pass's GEMMs are large enough to split
+        use_threads(None, self)  # a prompt pass's GEMMs are large enough to split
         t0 = time.perf_counter()
         pres = prefill_by_length(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0,
                                  step=self._verify)
@@ -363,7 +365,9 @@ class MTPLXRuntime:
         return auto.controller.choose(draining=live > 1 and waiting.drained())
 
     def _launch(self, batch: SlotBatch, in_flight: int, k: int) -> "_InFlight":
-        use_threads(decode_threads(self._gemm_row_cost, batch.size * (k + 1)))  # the verify's rows
+        # The widest pass: the verify, or the head catch-up over the pairs a deeper cycle left.
+        positions = max(k + 1, batch.cu_tokens.shape[1]) if k > 0 else 1
+        use_threads(decode_threads(self._gemm_row_cost, batch.size * positions), self)
         t0 = time.perf_counter()
         self.launch_started.append(t0)
         if self.auto is not None and self.auto.controller is not None:
