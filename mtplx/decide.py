@@ -51,7 +51,7 @@ def decide(
     distributions (None when greedy or k = 0), num_valid [B], active [B],
     keys [B, k+1, 2] (None when every row is greedy)."""
     greedy = sampling.all_greedy
-    fn = _decide_fn(greedy, sampling.any_filter, rule, logprobs, q is not None, compiled)
+    fn = _decide_fn(greedy, sampling.any_filter, sampling.any_greedy, rule, logprobs, q is not None, compiled)
     args = [logits, drafts, num_valid, active]
     if not greedy:
         args += [keys, *sampling_arrays(sampling)]
@@ -61,7 +61,8 @@ def decide(
 
 
 @lru_cache(maxsize=None)
-def _decide_fn(greedy: bool, any_filter: bool, rule: str, logprobs: bool, has_q: bool, compiled: bool):
+def _decide_fn(greedy: bool, any_filter: bool, any_greedy: bool, rule: str, logprobs: bool, has_q: bool,
+               compiled: bool):
     def run(logits, drafts, num_valid, active, *sampled):
         k = drafts.shape[1]
         bad_pos = mx.any(~mx.isfinite(logits), axis=-1)  # [B, k+1]
@@ -71,7 +72,7 @@ def _decide_fn(greedy: bool, any_filter: bool, rule: str, logprobs: bool, has_q:
         if greedy:
             accepted, nxt = greedy_accept(drafts, logits, num_valid=nv)  # [B], [B]
         else:
-            keys, bs = sampled[0], _sampling_from(sampled[1:6], any_filter)
+            keys, bs = sampled[0], _sampling_from(sampled[1:6], any_filter, any_greedy)
             p = target_probs(logits, bs)  # [B, k+1, V]
             q = sampled[6] if has_q else p[:, :0]
             accepted, nxt = speculative_accept(drafts, q, p, keys, num_valid=nv, rule=rule, check_finite=False)
@@ -91,7 +92,7 @@ def _decide_fn(greedy: bool, any_filter: bool, rule: str, logprobs: bool, has_q:
 
 
 def choose_draft(logits: mx.array, keys: Optional[mx.array], sampled: tuple, greedy: bool, any_filter: bool,
-                 rule: str):
+                 any_greedy: bool, rule: str):
     """The drafter's token at one depth: head logits [B, V], keys [B, 1, 2] of
     the drafted position and `sampling_arrays` (unused when every row is
     greedy) -> d [B, 1] and q [B, 1, V] (None when greedy). A head gone
@@ -100,7 +101,7 @@ def choose_draft(logits: mx.array, keys: Optional[mx.array], sampled: tuple, gre
     logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
     if greedy:
         return greedy_tokens(logits)[:, None], None  # [B, 1]
-    q = target_probs(logits[:, None], _sampling_from(sampled, any_filter))  # [B, 1, V]
+    q = target_probs(logits[:, None], _sampling_from(sampled, any_filter, any_greedy))  # [B, 1, V]
     return draft_tokens(q, keys, rule), q  # [B, 1], [B, 1, V]
 
 
@@ -109,9 +110,9 @@ def sampling_arrays(bs: BatchSampling) -> list:
     return [bs.temperature, bs.top_k, bs.top_p, bs.min_p, bs.greedy]
 
 
-def _sampling_from(arrays, any_filter: bool) -> BatchSampling:
+def _sampling_from(arrays, any_filter: bool, any_greedy: bool) -> BatchSampling:
     """BatchSampling inside a traced graph, from `_sampling_arrays` (some row samples)."""
-    return BatchSampling(*arrays, any_filter=any_filter, all_greedy=False)
+    return BatchSampling(*arrays, any_filter=any_filter, all_greedy=False, any_greedy=any_greedy)
 
 
 def forget_traces() -> None:

@@ -62,7 +62,7 @@ class DraftChain:
             if c.keys is None:  # only one-token prompts so far: no head entries yet
                 self._allocate(c, j, pending.hidden)
             c.reserve(span + T + k - 1)  # the catch-up's entries, then the chain's (not kept)
-        fn = self._fn(k, greedy, sampling.any_filter)
+        fn = self._fn(k, greedy, sampling.any_filter, sampling.any_greedy)
         arrays = [a for c in head_caches for a in (c.keys, c.values, c.lengths)]
         sampled = [] if greedy else [keys, *sampling_arrays(sampling)]
         out = fn(*pending, *sampled, *arrays)
@@ -83,14 +83,14 @@ class DraftChain:
         cache.keys = mx.zeros((B, probe.keys.shape[1], 0, probe.keys.shape[3]), dtype=probe.keys.dtype)
         cache.values = mx.zeros((B, probe.values.shape[1], 0, probe.values.shape[3]), dtype=probe.values.dtype)
 
-    def _fn(self, k: int, greedy: bool, any_filter: bool) -> Callable:
-        key = (k, greedy, any_filter)
+    def _fn(self, k: int, greedy: bool, any_filter: bool, any_greedy: bool) -> Callable:
+        key = (k, greedy, any_filter, any_greedy)
         if key not in self._fns:
-            run = self._graph(k, greedy, any_filter)
+            run = self._graph(k, greedy, any_filter, any_greedy)
             self._fns[key] = mx.compile(run) if self.compiled else run
         return self._fns[key]
 
-    def _graph(self, k: int, greedy: bool, any_filter: bool) -> Callable:
+    def _graph(self, k: int, greedy: bool, any_filter: bool, any_greedy: bool) -> Callable:
         n, head, rule = self.num_layers, self.head, self.rule
 
         def run(cu_hidden, cu_tokens, take, keep, *rest):
@@ -112,7 +112,8 @@ class DraftChain:
             drafts, qs = [], []
             for i in range(1, k + 1):
                 keys_i = None if greedy else sampled[0][:, i - 1 : i]  # [B, 1, 2]
-                d_i, q_i = choose_draft(logits, keys_i, sampled[1:], greedy, any_filter, rule)  # [B, 1], [B, 1, V]
+                d_i, q_i = choose_draft(logits, keys_i, sampled[1:], greedy, any_filter, any_greedy,
+                                        rule)  # [B, 1], [B, 1, V]
                 drafts.append(d_i)
                 qs.append(q_i)
                 if i < k:

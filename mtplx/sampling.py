@@ -96,6 +96,7 @@ class BatchSampling(NamedTuple):
     # Host-side facts, so the hot path never reads the device to branch.
     any_filter: bool = True  # some sampled row uses top-k / top-p / min-p
     all_greedy: bool = False
+    any_greedy: bool = True  # some row is greedy: its one-hot is built alongside
 
 
 _INT32_MAX = 2**31 - 1
@@ -114,6 +115,7 @@ def batch_sampling(params: Sequence[SamplingParams]) -> BatchSampling:
         greedy=mx.array([s.greedy for s in params], dtype=mx.bool_),
         any_filter=any(not s.greedy and (s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0) for s in params),
         all_greedy=all(s.greedy for s in params),
+        any_greedy=any(s.greedy for s in params),
     )
 
 
@@ -331,7 +333,9 @@ def target_probs(logits: mx.array, bs: BatchSampling) -> mx.array:
     V = x.shape[-1]
     col = lambda a: a.reshape(-1, 1, 1)  # [B] -> [B, 1, 1]
     greedy = col(bs.greedy)
-    temperature = mx.where(greedy, 1.0, col(bs.temperature))
+    # A greedy row's temperature 0 would divide by zero; its probabilities
+    # are replaced by the one-hot anyway.
+    temperature = mx.where(greedy, 1.0, col(bs.temperature)) if bs.any_greedy else col(bs.temperature)
     # Shifted before the division, so the top logit is exactly 0 at any
     # temperature: x / 1e-40 overflows to inf, and the softmax of inf is NaN.
     z = (x - mx.max(x, axis=-1, keepdims=True)) / temperature  # [B, T, V], max 0
@@ -341,7 +345,8 @@ def target_probs(logits: mx.array, bs: BatchSampling) -> mx.array:
         if bs.any_filter:  # the full-vocabulary sort only when some row filters
             z = _filter_logits(z, col(bs.top_k), col(bs.top_p), col(bs.min_p))  # keeps the top: max 0
         probs = _softmax_of_max_zero(z)  # [B, T, V]
-        probs = mx.where(greedy, _one_hot(greedy_tokens(logits), V), probs)
+        if bs.any_greedy:  # the argmax and one-hot: 3 of the ~8 kernels of a draw at decode batch sizes
+            probs = mx.where(greedy, _one_hot(greedy_tokens(logits), V), probs)
     broken = mx.any(mx.isnan(x) | (x == mx.inf), axis=-1, keepdims=True)  # [B, T, 1]
     return mx.where(broken, mx.nan, probs)
 

@@ -692,6 +692,19 @@ def test_sampling_params_defaults_are_greedy_and_batch_as_arrays():
         SamplingParams().temperature = 1.0  # frozen
 
 
+def test_a_batch_without_greedy_rows_skips_the_one_hot_and_gets_the_same_probabilities():
+    mixed = batch_sampling([SamplingParams(), SamplingParams(0.7)])
+    sampled = batch_sampling([SamplingParams(0.7), SamplingParams(1.3, top_k=3)])
+    assert mixed.any_greedy and not sampled.any_greedy
+    logits = mx.random.normal((2, 3, 11), key=mx.random.key(5))  # [B, T, V]
+    general = target_probs(logits, sampled._replace(any_greedy=True))  # the graph a mixed batch runs
+    assert mx.array_equal(target_probs(logits, sampled), general).item()
+    # The flag is what keeps a greedy row's one-hot: without it the row would sample.
+    p = np.array(target_probs(logits, mixed))
+    assert np.array_equal(p[0], np.eye(11, dtype=np.float32)[np.argmax(np.array(logits[0]), axis=-1)])
+    assert not np.array_equal(p[0], np.array(target_probs(logits, mixed._replace(any_greedy=False)))[0])
+
+
 def test_unknown_rule_is_rejected():
     with pytest.raises(ValueError, match="rule"):
         sample_plain(mx.ones((1, 1, 2)) / 2, mx.zeros((1, 1, 2), dtype=mx.uint32), "typo")
