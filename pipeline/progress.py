@@ -39,4 +39,8 @@ class Progress:
         return f"{self.tokens / elapsed:.0f} tok/s, acc {acc}, errors {self.errors}"
 
     def close(self) -> None:
+        # The postfix is refreshed at most twice a second: the bar's last
+        # line would otherwise show the counts of up to half a second ago.
+        if self.rows:
+            self.bar.set_postfix_str(self.postfix(time.monotonic()), refresh=False)
         self.bar.close()

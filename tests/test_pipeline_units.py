@@ -300,3 +300,15 @@ def test_an_engine_factory_of_three_arguments_still_runs_a_fixed_depth_job(tmp_p
     result = run_job(spec, RunOptions(quiet=True), engine_factory=lambda ref, spec, max_memory: fake(ref, spec, max_memory),
                      log=lambda s: None)
     assert result.exit_code == 0 and result.summary["rows"] == 2
+
+
+def test_progress_bar_ends_on_the_final_counts(capsys):
+    from pipeline.progress import Progress
+
+    bar = Progress(3, quiet=False)
+    bar.row(5, 4, 2, error=False)  # the first row sets the postfix; the next two come within its 0.5 s
+    bar.row(0, 0, 0, error=True)
+    bar.row(0, 0, 0, error=True)
+    bar.close()
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "3/3" in last and "errors 2" in last and "acc 0.50" in last
