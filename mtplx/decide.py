@@ -73,7 +73,7 @@ def _decide_fn(greedy: bool, any_filter: bool, any_greedy: bool, rule: str, logp
             accepted, nxt = greedy_accept(drafts, logits, num_valid=nv)  # [B], [B]
         else:
             keys, bs = sampled[0], _sampling_from(sampled[1:6], any_filter, any_greedy)
-            p = target_probs(logits, bs)  # [B, k+1, V]
+            p = target_probs(logits, bs, finite=True)  # [B, k+1, V]: non-finite positions zeroed above
             q = sampled[6] if has_q else p[:, :0]
             accepted, nxt = speculative_accept(drafts, q, p, keys, num_valid=nv, rule=rule, check_finite=False)
         emitted_ids = mx.where(
@@ -101,7 +101,7 @@ def choose_draft(logits: mx.array, keys: Optional[mx.array], sampled: tuple, gre
     logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
     if greedy:
         return greedy_tokens(logits)[:, None], None  # [B, 1]
-    q = target_probs(logits[:, None], _sampling_from(sampled, any_filter, any_greedy))  # [B, 1, V]
+    q = target_probs(logits[:, None], _sampling_from(sampled, any_filter, any_greedy), finite=True)  # [B, 1, V]
     return draft_tokens(q, keys, rule), q  # [B, 1], [B, 1, V]
 
 

@@ -318,17 +318,19 @@ def _filter_logits(z: mx.array, top_k: mx.array, top_p: mx.array, min_p: mx.arra
     return mx.where(z >= threshold, z, -mx.inf)
 
 
-def target_probs(logits: mx.array, bs: BatchSampling) -> mx.array:
+def target_probs(logits: mx.array, bs: BatchSampling, finite: bool = False) -> mx.array:
     """float32 [B, T, V] (or [B, V] for [B, V] logits): each row's sampling
     distribution under its own parameters.
 
     Order: temperature, then top-k, top-p, min-p, then renormalise. Greedy
     rows are the one-hot of the argmax (ties to the lowest id). A position
     whose logits hold a NaN or +inf comes out all NaN, greedy rows included,
-    so the non-finite checks see it instead of a token being made up.
+    so the non-finite checks see it instead of a token being made up;
+    `finite` says the caller has already replaced such positions (the decode
+    cycle's graphs do), which saves that check's reduction.
     """
     if logits.ndim == 2:
-        return target_probs(logits[:, None, :], bs)[:, 0, :]
+        return target_probs(logits[:, None, :], bs, finite)[:, 0, :]
     x = logits.astype(mx.float32)  # [B, T, V]
     V = x.shape[-1]
     col = lambda a: a.reshape(-1, 1, 1)  # [B] -> [B, 1, 1]
@@ -347,6 +349,8 @@ def target_probs(logits: mx.array, bs: BatchSampling) -> mx.array:
         probs = _softmax_of_max_zero(z)  # [B, T, V]
         if bs.any_greedy:  # the argmax and one-hot: 3 of the ~8 kernels of a draw at decode batch sizes
             probs = mx.where(greedy, _one_hot(greedy_tokens(logits), V), probs)
+    if finite:
+        return probs
     broken = mx.any(mx.isnan(x) | (x == mx.inf), axis=-1, keepdims=True)  # [B, T, 1]
     return mx.where(broken, mx.nan, probs)
 
@@ -399,15 +403,15 @@ def _categorical(probs: mx.array, u: mx.array) -> mx.array:
     with uniforms u [...] in [0, 1).
 
     Token j is chosen when cdf_{j-1} <= u * total < cdf_j, so a zero-probability
-    token can never be chosen; the clamp covers u * total rounding up to total.
+    token can never be chosen. Where u * total rounds up to total, the count
+    stops at the first position whose cdf reaches total, a token of positive
+    probability: cdf never falls, so both conditions hold on a prefix and one
+    reduction counts it.
     """
-    V = probs.shape[-1]
     cdf = mx.cumsum(probs, axis=-1)  # [..., V]
-    point = u[..., None] * cdf[..., -1:]  # [..., 1]
-    idx = mx.sum(cdf <= point, axis=-1).astype(mx.int32)  # [...]
-    ids = mx.arange(V, dtype=mx.int32)
-    last_possible = mx.max(mx.where(probs > 0, ids, 0), axis=-1).astype(mx.int32)
-    return mx.minimum(idx, last_possible)
+    total = cdf[..., -1:]  # [..., 1]
+    point = u[..., None] * total  # [..., 1]
+    return mx.sum((cdf <= point) & (cdf < total), axis=-1).astype(mx.int32)  # [...]
 
 
 def _gumbel_argmax(probs: mx.array, keys: mx.array) -> mx.array:

@@ -705,6 +705,19 @@ def test_a_batch_without_greedy_rows_skips_the_one_hot_and_gets_the_same_probabi
     assert not np.array_equal(p[0], np.array(target_probs(logits, mixed._replace(any_greedy=False)))[0])
 
 
+def test_inverse_cdf_draw_never_picks_a_zero_probability_token_even_at_the_top_uniform():
+    top = 1.0 - 2.0**-24  # the largest uniform uniform_from_keys makes
+    probs = mx.array([[0.25, 0.75, 0.0, 0.0], [0.0, 0.5, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0], [0.1, 0.0, 0.2, 0.0]])
+    for u, want in ((top, [1, 3, 0, 2]), (0.0, [0, 1, 0, 0]), (0.3, [1, 1, 0, 0])):
+        got = sampling._categorical(probs, mx.full((4,), u, dtype=mx.float32))
+        assert got.tolist() == want, (u, got.tolist())
+    # Unnormalised rows whose total is a power of two or just below one: the
+    # top uniform times the total stays below the total, so the draw is the last positive token.
+    for total in (1.0, 2.0, 0.9999999, 3.0):
+        p = mx.array([[total / 3, 0.0, total * 2 / 3, 0.0]])
+        assert sampling._categorical(p, mx.array([top], dtype=mx.float32)).item() == 2
+
+
 def test_unknown_rule_is_rejected():
     with pytest.raises(ValueError, match="rule"):
         sample_plain(mx.ones((1, 1, 2)) / 2, mx.zeros((1, 1, 2), dtype=mx.uint32), "typo")
