@@ -524,9 +524,9 @@ def speculative_accept(
     q_d = mx.take_along_axis(q, draft[..., None], axis=-1)[..., 0]  # [B, k]
     u = uniform_from_keys(purpose_keys(keys[:, :k], Purpose.ACCEPT))  # [B, k]
     accepted = _accepted_count(_accept_flags(u, p_d, q_d) & valid)  # [B]
-    # q has no entry at index k; a zero row there is harmless because the
-    # bonus uses mask 0.
-    q_next = _at(mx.concatenate([q, mx.zeros((B, 1, V), dtype=q.dtype)], axis=1), accepted)  # [B, V]
+    # q has no entry at index k. Any finite row stands in there (and at an
+    # index past a row's num_valid): the bonus's mask 0 makes it exactly 0.
+    q_next = _at(q, mx.minimum(accepted, k - 1))  # [B, V]
     mask = (accepted < nv).astype(mx.float32)  # [B]: 1 = correction, 0 = bonus
     residual = residual_distribution(_at(p, accepted), q_next, mask)  # [B, V]
     u_next = uniform_from_keys(purpose_keys(_at(keys, accepted), Purpose.RESIDUAL))  # [B]
