@@ -378,3 +378,35 @@ def test_compiled_decode_passes_emit_what_the_same_ops_run_eagerly_emit(models, 
         assert c.tokens == e.tokens
         assert c.accepted_by_depth == e.accepted_by_depth  # the drafts matched too
         assert c.logprobs == pytest.approx(e.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_head_gone_non_finite_costs_acceptance_only(tmp_path, temperature):
+    """Every head logit NaN: each depth's draft is still a token of the
+    vocabulary (q uniform when sampling), the verify rejects what it must,
+    and no row errors; greedy output is plain decoding's."""
+    path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=VOCAB)
+    model = make_predictable(mtplx.load(path))
+    prompts = _prompts(8, seed=2)
+    plain = MTPLXRuntime(model, MTPContract(depth=0), max_batch=4).generate(prompts, max_tokens=12)
+    model.head.norm.weight = mx.full(model.head.norm.weight.shape, mx.nan)
+    rt = MTPLXRuntime(model, MTPContract(depth=3), max_batch=4)
+    drafted, qs = [], []
+    draft = rt._draft
+
+    def recorded(*a):
+        d, q = draft(*a)
+        drafted.append(np.array(d))
+        qs.append(None if q is None else np.array(q))
+        return d, q
+
+    rt._draft = recorded
+    spec = rt.generate(prompts, SamplingParams(temperature=temperature), max_tokens=12)
+    assert all(o.finish_reason in ("length", "stop") for o in spec), [o.error for o in spec]
+    assert all(0 <= t < VOCAB for d in drafted for t in d.ravel().tolist())
+    if temperature > 0:  # the residual rule's ratios and corrections read q: it must be a distribution
+        for q in qs:
+            assert np.isfinite(q).all() and np.allclose(q.sum(-1), 1.0, atol=1e-5)
+    assert sum(sum(o.drafted_by_depth) for o in spec) > 0
+    if temperature == 0:
+        assert [o.tokens for o in spec] == [o.tokens for o in plain]
