@@ -347,7 +347,7 @@ def target_probs(logits: mx.array, bs: BatchSampling, finite: bool = False) -> m
         if bs.any_filter:  # the full-vocabulary sort only when some row filters
             z = _filter_logits(z, col(bs.top_k), col(bs.top_p), col(bs.min_p))  # keeps the top: max 0
         probs = _softmax_of_max_zero(z)  # [B, T, V]
-        if bs.any_greedy:  # the argmax and one-hot: 3 of the ~8 kernels of a draw at decode batch sizes
+        if bs.any_greedy:  # an argmax, a one-hot and a select over the vocabulary, needless without greedy rows
             probs = mx.where(greedy, _one_hot(greedy_tokens(logits), V), probs)
     if finite:
         return probs
@@ -403,10 +403,12 @@ def _categorical(probs: mx.array, u: mx.array) -> mx.array:
     with uniforms u [...] in [0, 1).
 
     Token j is chosen when cdf_{j-1} <= u * total < cdf_j, so a zero-probability
-    token can never be chosen. Where u * total rounds up to total, the count
-    stops at the first position whose cdf reaches total, a token of positive
-    probability: cdf never falls, so both conditions hold on a prefix and one
-    reduction counts it.
+    token can never be chosen. `cdf < total` guards u * total rounding up to
+    total, which float32's round-to-nearest never does for the uniforms
+    `uniform_from_keys` makes (below 1 on a 2**-24 grid) but another u or
+    backend might: the count then stops at the first position whose cdf
+    reaches total, a token of positive probability. cdf never falls, so both
+    conditions hold on a prefix and one reduction counts it.
     """
     cdf = mx.cumsum(probs, axis=-1)  # [..., V]
     total = cdf[..., -1:]  # [..., 1]
