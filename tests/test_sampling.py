@@ -718,6 +718,16 @@ def test_inverse_cdf_draw_never_picks_a_zero_probability_token_even_at_the_top_u
         assert sampling._categorical(p, mx.array([top], dtype=mx.float32)).item() == 2
 
 
+def test_the_cycle_draws_are_the_public_keyed_draws_bit_for_bit():
+    keys = mx.random.randint(0, 2**31, (5, 3, 2), key=mx.random.key(1)).astype(mx.uint32)  # [B, T, 2]
+    keys = keys * 2 + mx.array([1, 0], dtype=mx.uint32)  # both words' top bits and low bits in play
+    for p in sampling.Purpose:
+        tag = sampling._mix64(sampling._mx_u64(int(p) + sampling._SALT_PURPOSE), sampling._mx_u64)  # on the device
+        assert sampling._PURPOSE_TAGS[p] == int(np.array(tag))
+        assert mx.array_equal(sampling._uniform_for(keys, p), uniform_from_keys(purpose_keys(keys, p))).item()
+        assert mx.array_equal(sampling._gumbel_for(keys, p, 7), gumbel_from_keys(purpose_keys(keys, p), 7)).item()
+
+
 def test_unknown_rule_is_rejected():
     with pytest.raises(ValueError, match="rule"):
         sample_plain(mx.ones((1, 1, 2)) / 2, mx.zeros((1, 1, 2), dtype=mx.uint32), "typo")
