@@ -777,6 +777,8 @@ def blas_in_use() -> dict:
 
     mlx-cpu's own reference BLAS is ~15x slower than OpenBLAS, so numbers
     without OpenBLAS mapped are not comparable to ones with it."""
+    from .blas_threads import openblas_core, openblas_threads
+
     libs_sorted = _mapped_libraries(("blas", "lapack", "mkl"))
     preload = os.environ.get("LD_PRELOAD", "")
     if any(_mlx_may_use(lib) and "openblas" in Path(lib).name.lower() for lib in libs_sorted):
@@ -793,30 +795,10 @@ def blas_in_use() -> dict:
         "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
         # The kernels OpenBLAS runs (OPENBLAS_CORETYPE can force them): for a
         # batch-4 verify on this machine Haswell's took ~1.4x SkylakeX's time.
-        "openblas_core": _openblas_core([lib for lib in libs_sorted if _mlx_may_use(lib)]) if name == "OpenBLAS" else None,
+        "openblas_core": openblas_core() if name == "OpenBLAS" else None,
         # Its threads outside decode cycles (small ones run on one, mtplx.blas_threads).
-        "openblas_threads": _openblas_threads() if name == "OpenBLAS" else None,
+        "openblas_threads": openblas_threads() if name == "OpenBLAS" else None,
     }
-
-
-def _openblas_threads() -> Optional[int]:
-    from .blas_threads import openblas_threads
-
-    return openblas_threads()
-
-
-def _openblas_core(libs: Sequence[str]) -> Optional[str]:
-    """The kernel set the mapped OpenBLAS chose (`openblas_get_corename`)."""
-    import ctypes
-
-    for lib in libs:
-        try:
-            fn = ctypes.CDLL(lib).openblas_get_corename
-        except (OSError, AttributeError):
-            continue
-        fn.restype = ctypes.c_char_p
-        return fn().decode(errors="replace")
-    return None
 
 
 def _mlx_may_use(lib: str) -> bool:

@@ -127,6 +127,17 @@ def openblas_threads() -> Optional[int]:
     return None if lib is None else int(lib.openblas_get_num_threads())
 
 
+def openblas_core() -> Optional[str]:
+    """The kernel set OpenBLAS chose (OPENBLAS_CORETYPE can force it), or
+    None without OpenBLAS."""
+    lib = _openblas()
+    fn = getattr(lib, "openblas_get_corename", None) if lib is not None else None
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    return fn().decode(errors="replace")
+
+
 _LIB = []
 
 
