@@ -17,7 +17,8 @@ and at temperature 1), else a cautious prior.
 Two regimes, because under sampling with the residual rule a row's draws
 depend on the depth each of its cycles used:
 - **job depth**: calibration picks one depth for the whole job, from the
-  sampled acceptance prior (only sampled rows run at it). Every cycle in
+  sampled acceptance prior and the runtime's own sampled cycles (only
+  sampled rows run at it). Every cycle in
   which some row samples under the residual rule runs at it, so such a row's
   output never depends on other rows or on timing. Depth 0 (no head work at
   all) unless a depth is predicted to beat plain decoding by 5%
@@ -191,6 +192,16 @@ MAX_RETRY_BACKOFF = 8
 # they cover more of the machine's spells.
 BARE_ROUNDS_FIRST = 5
 BARE_ROUNDS_BETWEEN = 2
+
+# The job depth (sampled rows) is priced on the runtime's own sampled cycles,
+# which also draw each draft and decide acceptance on probabilities: greedy
+# cycles price that at nothing. On a random tiny qwen3_5 checkpoint at batch
+# 1 (temperature 1 acceptance 0.69, a 0.44 ms step) a depth-1 cycle cost
+# 1.45x a step greedy and about 1.76x sampled; priced greedy, the job ran
+# depth 1 at 0.91 of plain decoding. These rounds are timed only where the
+# greedy pricing already puts a depth over the margin (sampled cycles never
+# cost less), and after the greedy ones, on the bare costs those sampled.
+SAMPLED_CALIBRATION_ROUNDS = 3
 
 # While speculating, a controller that is told its cycles' launch times
 # (`DepthController.launched`) runs a short burst at a neighbouring depth
@@ -478,6 +489,12 @@ class AutoDepth:
     record: dict = field(default_factory=dict)
 
 
+def _job_depth(costs, sampled_acceptance: Sequence[float], K: int, max_batch: int) -> int:
+    one_row = max_batch == 1
+    return best_depth(costs, sampled_acceptance, K, margin=SPECULATION_MARGIN,
+                      tolerance=SINGLE_ROW_JOB_TIE if one_row else DEPTH_TOLERANCE, deepest=one_row)
+
+
 def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     """Calibrate on this machine at this batch size and plan the job's depths."""
     if model.head is None:
@@ -502,10 +519,16 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
         return AutoDepth(0, 0, None, {"depth": 0, "reason": "calibration timed no decode cycle",
                                       "policy": "plain decoding: calibration could not time a decode cycle"})
     job = contract.sampled_depth  # a resumed job's: its sampled rows draw as its first run's did
+    sampled_costs = None
     if job is None:
-        one_row = max_batch == 1
-        job = best_depth(costs, sampled, K, margin=SPECULATION_MARGIN,
-                         tolerance=SINGLE_ROW_JOB_TIE if one_row else DEPTH_TOLERANCE, deepest=one_row)
+        job = _job_depth(costs, sampled, K, max_batch)
+        if job > 0:  # greedy cycles price the draws at nothing: decide on sampled cycles
+            sampled_costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile,
+                                                bare=bare, temperature=1.0, rounds=SAMPLED_CALIBRATION_ROUNDS)
+            if all(math.isfinite(sampled_costs.cycle_s(k)) for k in range(K + 1)):
+                job = _job_depth(sampled_costs, sampled, K, max_batch)
+            else:
+                sampled_costs = None
     # Greedy rows keep a controller wherever some depth is predicted to win
     # at all, and start speculating only where one wins by the margin; in
     # between, the controller starts off and probes (DepthController), and
@@ -533,8 +556,11 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
         "bare_costs": bare.as_dict(),
         "cycle_costs": costs.as_dict(),
         "predicted_speedup": {str(d): predicted_speedup(costs, acceptance, d) for d in range(K + 1)},
-        "predicted_speedup_sampled": {str(d): predicted_speedup(costs, sampled, d) for d in range(K + 1)},
+        "predicted_speedup_sampled": {str(d): predicted_speedup(sampled_costs or costs, sampled, d)
+                                      for d in range(K + 1)},
     }
+    if sampled_costs is not None:
+        record["cycle_costs_sampled"] = sampled_costs.as_dict()
     if job == 0 and greedy == 0:
         record["policy"] = "plain decoding: no depth is predicted to pay on this machine at this batch size"
         return AutoDepth(0, 0, None, record)

@@ -194,10 +194,13 @@ def measure_cycle_costs(
     rounds: int = 5,
     bare: Union[BareCosts, "BareCostSampler", None] = None,
     bare_rounds_between: int = 2,
+    temperature: float = 0.0,
 ) -> CycleCosts:
     """Seconds per cycle of MTPLXRuntime at each depth, on `batch_size`
     random prompts: runtimes at every depth take turns (after a warm-up that
-    traces and builds kernels), one short decode each per round.
+    traces and builds kernels), one short decode each per round, greedy or
+    sampled at `temperature` (a sampled cycle also draws its drafts and
+    decides acceptance on probabilities, which a greedy one skips).
 
     A round's time for a depth is the median time from one cycle's launch
     to the next (`runtime.launch_started`), leaving out the first, which
@@ -218,7 +221,9 @@ def measure_cycle_costs(
     """
     from .mtp_patch import MTPContract
     from .runtime import MTPLXRuntime
+    from .sampling import SamplingParams
 
+    sampling = SamplingParams(temperature=temperature)
     if model.max_context is not None:  # prompt + max_tokens must fit the context
         prompt_len = max(1, min(prompt_len, model.max_context // 2))
         max_tokens = max(1, min(max_tokens, model.max_context - prompt_len))
@@ -232,12 +237,12 @@ def measure_cycle_costs(
     for rt in runtimes.values():
         rt.eos = set()  # a random prompt's end of sequence would end its row before any cycle is timed
     for rt in runtimes.values():
-        rt.generate(prompts, max_tokens=4)
+        rt.generate(prompts, max_tokens=4, sampling=sampling)
     times = {k: [] for k in depths}
     for _ in range(rounds):
         for k, rt in runtimes.items():
             rt.launch_started.clear()
-            rt.generate(prompts, max_tokens=max_tokens)
+            rt.generate(prompts, max_tokens=max_tokens, sampling=sampling)
             steady = np.diff(list(rt.launch_started))[1:]
             # every row can stop at once on a stop token: such a round has no time
             times[k].append(float(np.median(steady)) if len(steady) else float("nan"))

@@ -305,8 +305,8 @@ class MTPLXRuntime:
         self._disturbed = True
         use_threads(None, self)  # a prompt pass's GEMMs are large enough to split
         t0 = time.perf_counter()
-        pres = prefill_by_length(self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self.depth > 0,
-                                 step=self._verify)
+        pres = prefill_by_length(self.model, [ids for _, ids in batch], self.contract.prefill_chunk,
+                                 self._prefill_head(), step=self._verify)
         self.stats["prefill_seconds"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in batch)
         reqs = [req for req, _ in batch]
@@ -331,6 +331,21 @@ class MTPLXRuntime:
             out.append(_Prepared(req, pre, hashes[i], firsts, lps, bool(bad[i])))
             at += req.n
         return out
+
+    def _prefill_head(self) -> bool:
+        """Whether prompts are prefilled through the head too: only where
+        their rows may draft soon. Under depth "auto" with sampled rows kept
+        plain and the greedy controller off, a head pass over every prompt
+        would be work for nothing (a fifth of a batch-1 prefill on a tiny
+        checkpoint); a row prefilled without it drafts, once a probe turns
+        speculation on, from a head history with a gap, as rows that lived
+        through an off spell do: that costs acceptance, never output."""
+        if self.depth == 0:
+            return False
+        auto = self.auto
+        if auto is None or auto.controller is None or auto.job_depth > 0:
+            return True
+        return not getattr(auto.controller, "off", False)
 
     def _encode(self, req: Request) -> List[int]:
         if isinstance(req.prompt, str):

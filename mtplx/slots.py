@@ -91,7 +91,7 @@ class SlotBatch:
     def load(self, b: int, pre: Prefilled, row: Row, first_token: int):
         self.rows[b] = row
         self.trunk_len[b] = pre.length
-        self.head_len[b] = pre.length - 1 if self.head else 0
+        self.head_len[b] = _head_pairs(pre) if self.head else 0
         self._released.discard(b)
         self._loads.append((b, pre, first_token))
 
@@ -140,9 +140,11 @@ class SlotBatch:
             else:
                 k, v = _stack_kv(pres, lambda p: p.trunk_cache[i], lambda p: p.length)
                 slot.write_rows(slots, k, v, lengths, trunk_span)
+        if self.head:
+            head_lengths = mx.array([_head_pairs(pre) for pre in pres], dtype=mx.int32)  # [R]
         for j, slot in enumerate(self.head):
-            k, v = _stack_kv(pres, lambda p: p.head_cache[j], lambda p: p.length - 1)
-            slot.write_rows(slots, k, v, lengths - 1, head_span)
+            k, v = _stack_kv(pres, lambda p: None if p.head_cache is None else p.head_cache[j], _head_pairs)
+            slot.write_rows(slots, k, v, head_lengths, head_span)
         firsts = mx.array([t for _, _, t in self._loads], dtype=mx.int32)  # [R]
         self.primary[rows] = firsts
         self.emitted[rows] = 1
@@ -212,6 +214,13 @@ class SlotBatch:
         for c in self.trunk + self.head:
             out.extend(x for x in c.arrays if x is not None)
         return out
+
+
+def _head_pairs(pre: Prefilled) -> int:
+    """The head entries a prefilled row brings: its prompt's pairs, or none
+    where the head was not run over the prompt (speculation off then, see
+    MTPLXRuntime._prefill_head)."""
+    return 0 if pre.head_cache is None else pre.length - 1
 
 
 def _stack(pres: List[Prefilled], get) -> mx.array:

@@ -87,6 +87,53 @@ def test_auto_calibrates_where_calibration_prompts_exceed_the_context_or_every_t
     assert [(o.finish_reason, o.tokens) for o in outs] == [("stop", []), ("stop", [])]
 
 
+def _fake_cycle_costs(calls, greedy, sampled):
+    """measure_cycle_costs standing in for the timed decodes: `greedy` or
+    `sampled` cycle seconds by depth, by the temperature it is asked for."""
+
+    def measure(model, B, depths, temperature=0.0, **kw):
+        calls.append(temperature)
+        return CycleCosts(B, {k: (sampled if temperature else greedy)[k] for k in depths})
+
+    return measure
+
+
+def test_the_job_depth_of_sampled_rows_is_priced_on_sampled_cycles(tmp_path, monkeypatch):
+    import mtplx.autodepth as autodepth
+
+    # The default prior (no training.json) predicts depth 2 at 1.5x plain on
+    # these greedy cycles; cycles that also draw their drafts cost enough
+    # more that no depth beats plain decoding.
+    calls = []
+    monkeypatch.setattr(autodepth, "measure_cycle_costs", _fake_cycle_costs(
+        calls, greedy={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, sampled={0: 1.0, 1: 1.6, 2: 2.0, 3: 2.4}))
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
+    record = auto.stats["auto_depth"]
+    assert calls == [0.0, 1.0]
+    assert auto.auto.job_depth == record["depth"] == 0
+    assert record["cycle_costs_sampled"]["cycle_s"]["1"] == 1.6
+    assert max(record["predicted_speedup_sampled"].values()) == 1.0  # depth 0's
+    assert auto.auto.controller is not None  # greedy rows still speculate, on greedy cycles' prices
+    # Where sampled cycles cost what greedy ones do, the same prices keep depth 2.
+    calls.clear()
+    monkeypatch.setattr(autodepth, "measure_cycle_costs", _fake_cycle_costs(
+        calls, greedy={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, sampled={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}))
+    assert MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2).auto.job_depth == 2
+
+
+def test_sampled_cycles_are_not_timed_where_greedy_pricing_already_keeps_sampled_rows_plain(tmp_path, monkeypatch):
+    import mtplx.autodepth as autodepth
+
+    calls = []
+    slow = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}  # no depth pays even on greedy cycles
+    monkeypatch.setattr(autodepth, "measure_cycle_costs", _fake_cycle_costs(calls, greedy=slow, sampled=slow))
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
+    assert calls == [0.0] and auto.auto.job_depth == 0
+    assert "cycle_costs_sampled" not in auto.stats["auto_depth"]
+
+
 def test_auto_falls_back_to_plain_decoding_when_calibration_times_no_cycle(tmp_path, monkeypatch):
     import mtplx.autodepth as autodepth
 
@@ -334,6 +381,36 @@ def test_switching_speculation_off_mid_job_keeps_greedy_output_exact(predictable
     got = rt.generate(prompts, max_tokens=12)
     assert [c.tokens for c in got] == [c.tokens for c in plain]
     assert rt.auto.record["cycles_by_depth"]["0"] > 0
+
+
+def test_prompts_prefilled_while_speculation_is_off_skip_the_head_and_still_decode_exactly(predictable_qwen, monkeypatch):
+    import mtplx.runtime as runtime
+
+    heads = []
+    prefill = runtime.prefill_by_length
+    monkeypatch.setattr(runtime, "prefill_by_length",
+                        lambda model, prompts, chunk, with_head, **kw: heads.append(with_head) or
+                        prefill(model, prompts, chunk, with_head, **kw))
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20], [5, 6, 7, 8], [30, 31]]
+    plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0), max_batch=2).generate(prompts, max_tokens=12)
+    # Sampled rows kept plain (job depth 0) and the greedy controller off
+    # when each prompt is prefilled; then its cycles speculate anyway, as
+    # after a probe: every row drafts from a head that never saw its prompt.
+    rt = _with_scripted_auto(predictable_qwen, [2, 3, 1], job_depth=0, max_batch=2)
+    rt.auto.controller.off = True
+    got = rt.generate(prompts, max_tokens=12)
+    assert heads and not any(heads)
+    assert [c.tokens for c in got] == [c.tokens for c in plain]
+    assert sum(sum(c.drafted_by_depth) for c in got) > 0
+    # On (or with a job depth for sampled rows), the head runs over the prompts.
+    heads.clear()
+    rt.auto.controller.off = False
+    assert [c.tokens for c in rt.generate(prompts, max_tokens=12)] == [c.tokens for c in plain]
+    assert heads and all(heads)
+    heads.clear()
+    rt.auto.controller.off, rt.auto.job_depth = True, 1
+    rt.generate(prompts[:2], max_tokens=4)
+    assert heads == [True]
 
 
 def test_the_runtime_tells_the_controller_whether_anything_waits_to_refill_the_batch(predictable_qwen):
