@@ -489,6 +489,10 @@ class AutoDepth:
     record: dict = field(default_factory=dict)
 
 
+def _timed_every_depth(costs: CycleCosts, K: int) -> bool:
+    return all(math.isfinite(costs.cycle_s(k)) for k in range(K + 1))
+
+
 def _job_depth(costs, sampled_acceptance: Sequence[float], K: int, max_batch: int) -> int:
     one_row = max_batch == 1
     return best_depth(costs, sampled_acceptance, K, margin=SPECULATION_MARGIN,
@@ -510,7 +514,7 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile, bare=sampler,
                                 bare_rounds_between=BARE_ROUNDS_BETWEEN)
     bare = sampler.costs()
-    if not all(math.isfinite(costs.cycle_s(k)) for k in range(K + 1)):
+    if not _timed_every_depth(costs, K):
         if contract.sampled_depth:  # a resumed job's depth still holds; every cycle runs at it
             k = contract.sampled_depth
             return AutoDepth(k, k, None, {"depth": k, "depth_from": "given (the job's first run)",
@@ -525,7 +529,7 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
         if job > 0:  # greedy cycles price the draws at nothing: decide on sampled cycles
             sampled_costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile,
                                                 bare=bare, temperature=1.0, rounds=SAMPLED_CALIBRATION_ROUNDS)
-            if all(math.isfinite(sampled_costs.cycle_s(k)) for k in range(K + 1)):
+            if _timed_every_depth(sampled_costs, K):
                 job = _job_depth(sampled_costs, sampled, K, max_batch)
             else:
                 sampled_costs = None

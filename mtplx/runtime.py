@@ -337,9 +337,10 @@ class MTPLXRuntime:
         their rows may draft soon. Under depth "auto" with sampled rows kept
         plain and the greedy controller off, a head pass over every prompt
         would be work for nothing (27.5 -> 31.1 ms, a batch-1 prompt pass of
-        128 tokens on the built-in model); a row prefilled without it drafts, once a probe turns
-        speculation on, from a head history with a gap, as rows that lived
-        through an off spell do: that costs acceptance, never output."""
+        128 tokens on the built-in model); a row prefilled without it
+        drafts, once a probe turns speculation on, from a head history with
+        a gap, as rows that lived through an off spell do: that costs
+        acceptance, never output."""
         if self.depth == 0:
             return False
         auto = self.auto

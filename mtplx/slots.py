@@ -142,9 +142,9 @@ class SlotBatch:
                 slot.write_rows(slots, k, v, lengths, trunk_span)
         if self.head:
             head_lengths = mx.array([_head_pairs(pre) for pre in pres], dtype=mx.int32)  # [R]
-        for j, slot in enumerate(self.head):
-            k, v = _stack_kv(pres, lambda p: None if p.head_cache is None else p.head_cache[j], _head_pairs)
-            slot.write_rows(slots, k, v, head_lengths, head_span)
+            for j, slot in enumerate(self.head):
+                k, v = _stack_kv(pres, lambda p: None if p.head_cache is None else p.head_cache[j], _head_pairs)
+                slot.write_rows(slots, k, v, head_lengths, head_span)
         firsts = mx.array([t for _, _, t in self._loads], dtype=mx.int32)  # [R]
         self.primary[rows] = firsts
         self.emitted[rows] = 1
