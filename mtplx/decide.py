@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
-from .sampling import BatchSampling, draft_tokens, greedy_accept, greedy_tokens, speculative_accept, target_probs
+from .sampling import BatchSampling, draft_tokens, greedy_accept, speculative_accept, target_probs
 
 
 class Decision(NamedTuple):
@@ -97,10 +97,15 @@ def choose_draft(logits: mx.array, keys: Optional[mx.array], sampled: tuple, gre
     the drafted position and `sampling_arrays` (unused when every row is
     greedy) -> d [B, 1] and q [B, 1, V] (None when greedy). A head gone
     non-finite only costs acceptance: any q is exact, so its rows draft from
-    the uniform. Traced inside `draft_chain.DraftChain`."""
-    logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
+    the uniform. Traced inside `draft_chain.DraftChain`.
+
+    A greedy draft is only a guess that the verify checks, so it needs
+    neither the guard nor the trunk's tie rule (`greedy_tokens`): a plain
+    argmax, one op where those are eleven per depth, is any valid token id
+    even over NaN logits."""
     if greedy:
-        return greedy_tokens(logits)[:, None], None  # [B, 1]
+        return mx.argmax(logits, axis=-1).astype(mx.int32)[:, None], None  # [B, 1]
+    logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
     q = target_probs(logits[:, None], _sampling_from(sampled, any_filter, any_greedy), finite=True)  # [B, 1, V]
     return draft_tokens(q, keys, rule), q  # [B, 1], [B, 1, V]
 
