@@ -101,7 +101,7 @@ def choose_draft(logits: mx.array, keys: Optional[mx.array], sampled: tuple, gre
 
     A greedy draft is only a guess that the verify checks, so it needs
     neither the guard nor the trunk's tie rule (`greedy_tokens`): a plain
-    argmax, one op where those are eleven per depth, is any valid token id
+    argmax (two ops where those were eleven per depth) is a valid token id
     even over NaN logits."""
     if greedy:
         return mx.argmax(logits, axis=-1).astype(mx.int32)[:, None], None  # [B, 1]
