@@ -346,6 +346,7 @@ class MTPLXRuntime:
         auto = self.auto
         if auto is None or auto.controller is None or auto.job_depth > 0:
             return True
+        # getattr: warm-up swaps in a DepthSequence, which plays every depth and has no "off"
         return not getattr(auto.controller, "off", False)
 
     def _encode(self, req: Request) -> List[int]:
