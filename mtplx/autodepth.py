@@ -200,8 +200,10 @@ BARE_ROUNDS_BETWEEN = 2
 # 1.45x a step greedy and about 1.76x sampled; priced greedy, the job ran
 # depth 1 at 0.91 of plain decoding. These rounds are timed only where the
 # greedy pricing already puts a depth over the margin (sampled cycles never
-# cost less), and after the greedy ones, on the bare costs those sampled.
-SAMPLED_CALIBRATION_ROUNDS = 3
+# cost less), and after the greedy ones, on the bare costs those sampled;
+# an even number, so that each depth runs as often early in a round as late
+# (`costs.measure_cycle_costs` reverses every other round).
+SAMPLED_CALIBRATION_ROUNDS = 4
 
 # While speculating, a controller that is told its cycles' launch times
 # (`DepthController.launched`) runs a short burst at a neighbouring depth

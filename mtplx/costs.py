@@ -197,10 +197,11 @@ def measure_cycle_costs(
     temperature: float = 0.0,
 ) -> CycleCosts:
     """Seconds per cycle of MTPLXRuntime at each depth, on `batch_size`
-    random prompts: runtimes at every depth take turns (after a warm-up that
-    traces and builds kernels), one short decode each per round, greedy or
-    sampled at `temperature` (a sampled cycle also draws its drafts and
-    decides acceptance on probabilities, which a greedy one skips).
+    random prompts: runtimes at every depth take turns, in reverse every
+    other round (after a warm-up that traces and builds kernels), one short
+    decode each per round, greedy or sampled at `temperature` (a sampled
+    cycle also draws its drafts and decides acceptance on probabilities,
+    which a greedy one skips).
 
     A round's time for a depth is the median time from one cycle's launch
     to the next (`runtime.launch_started`), leaving out the first, which
@@ -239,8 +240,15 @@ def measure_cycle_costs(
     for rt in runtimes.values():
         rt.generate(prompts, max_tokens=4, sampling=sampling)
     times = {k: [] for k in depths}
-    for _ in range(rounds):
-        for k, rt in runtimes.items():
+    order = list(runtimes.items())
+    for r in range(rounds):
+        # Depths in turn, then in reverse: the machine speeding up or slowing
+        # over two rounds then favours no depth. In one fixed order, a slow
+        # spell that sets in after depth 0's decode prices every deeper cycle
+        # up, as it may have in one sampled calibration at batch 4: overhead
+        # 1.21 where five others gave 1.02-1.09, and its job ran plain
+        # decoding where depths 1 and 2 decoded 1.11-1.12x faster.
+        for k, rt in order if r % 2 == 0 else order[::-1]:
             rt.launch_started.clear()
             rt.generate(prompts, max_tokens=max_tokens, sampling=sampling)
             steady = np.diff(list(rt.launch_started))[1:]

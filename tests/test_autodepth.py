@@ -495,6 +495,24 @@ def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):
     # The predicted speed-up divides cycle times directly.
     assert predicted_speedup(costs, [0.5, 0.25], 2) == pytest.approx(1.75 * costs.seconds[0] / costs.seconds[2])
 
+def test_cycle_costs_time_depths_in_reverse_every_other_round(tmp_path, monkeypatch):
+    # A machine slowing over a round would otherwise price the depths timed late in it up.
+    from mtplx.costs import measure_cycle_costs
+    from mtplx.runtime import MTPLXRuntime
+
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    timed, generate = [], MTPLXRuntime.generate
+
+    def recording(self, prompts, max_tokens=256, **kw):
+        if max_tokens == 6:  # the timed decodes (the warm-up's are shorter)
+            timed.append(self.depth)
+        return generate(self, prompts, max_tokens=max_tokens, **kw)
+
+    monkeypatch.setattr(MTPLXRuntime, "generate", recording)
+    measure_cycle_costs(model, 2, depths=range(3), max_tokens=6, rounds=3)
+    assert timed == [0, 1, 2, 2, 1, 0, 0, 1, 2]
+
+
 def test_cycle_costs_sample_a_bare_cost_sampler_between_their_rounds_and_take_its_shape(tmp_path, monkeypatch):
     import mtplx.costs as costs_module
     from mtplx.costs import measure_cycle_costs
