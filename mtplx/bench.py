@@ -794,7 +794,7 @@ def blas_in_use() -> dict:
         # How long idle OpenBLAS threads spin before sleeping (pipeline.preload).
         "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
         # The kernels OpenBLAS runs (OPENBLAS_CORETYPE can force them): for a
-        # batch-4 verify on this machine Haswell's took ~1.4x SkylakeX's time.
+        # batch-4 verify on an AVX-512 EPYC Haswell's took ~1.4x SkylakeX's time.
         "openblas_core": openblas_core() if name == "OpenBLAS" else None,
         # Its threads outside decode cycles (small ones run on one, mtplx.blas_threads).
         "openblas_threads": openblas_threads() if name == "OpenBLAS" else None,

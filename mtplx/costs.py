@@ -272,7 +272,7 @@ def verify_never_falling(bare: BareCosts) -> BareCosts:
 
     A deeper verify runs more tokens, so it never costs less; but it need not
     cost more by the same step at every depth. OpenBLAS's Haswell kernels
-    (this machine's, forced by its environment) run a GEMM over 3 rows slower
+    (forced by some machines' environment) run a GEMM over 3 rows slower
     than one over 4, and at batch 1 (k + 1 rows) a verify over 4 tokens timed
     within 1% of one over 3 in every measurement here (3.55 / 3.57, 3.49 /
     3.45, 3.37 / 3.40 ms in three `make bench` runs). The least-squares line

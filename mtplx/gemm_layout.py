@@ -18,7 +18,7 @@ decoding batch-invariant: a row's logits are bit-identical at batch 1 and
 16, and a verify over k+1 tokens is bit-identical to k+1 one-token steps
 (with [out, in] storage both differ by ~1e-5). OpenBLAS's Haswell/Zen
 kernels (AVX2-only CPUs) have no small-matrix path at all and send a one-row
-product elsewhere: there (forced here with OPENBLAS_CORETYPE=Haswell) the
+product elsewhere: there (forced with OPENBLAS_CORETYPE=Haswell) the
 re-laid passes were no slower, mostly a little faster, and batch 1 stays
 ~1e-6 off. Against mlx-lm's own layout the logits move by
 1e-6 to 1e-5.
