@@ -23,9 +23,26 @@ import mlx.core as mx
 _STEP = 256  # capacity grows in multiples of this many positions
 
 
+# A compiled pass reads keys up to a multiple of this many positions, not the
+# whole capacity: one trace per bucket a batch's lengths pass through.
+SPAN_BUCKET = 64
+
+
 def rounded_capacity(needed: int) -> int:
     """The capacity a slot cache holding `needed` positions grows to."""
     return -(-needed // _STEP) * _STEP
+
+
+def read_span(needed: int, capacity: int) -> int:
+    """Positions a compiled pass reads from a slot cache of `capacity` when
+    its rows hold at most `needed` (writes included): `needed` rounded up to
+    a whole SPAN_BUCKET. Read over the whole capacity, a batch of short rows
+    paid for every position of it: 16,000 sampled rows of under 16 positions
+    on a tiny test checkpoint at batch 1024 took 22.4 s against 18.5 s (the
+    rest is the copy each write makes of the whole cache), and the built-in
+    model decoded 2-15% faster at batch 4-64 with a bucket (paired medians,
+    prompts of 16-128 tokens, 64 new)."""
+    return min(capacity, -(-max(needed, 1) // SPAN_BUCKET) * SPAN_BUCKET)
 
 
 def put_rows(full: mx.array, rows: Sequence[int], values: Union[mx.array, float]) -> mx.array:

@@ -6,9 +6,11 @@ traced graph, which cuts a one-token trunk step by about a third here. To be
 traceable a pass must be a pure function of arrays, so `SlotPass` hands the
 cache arrays in as inputs and takes the updated ones back out:
 
-- attention KV is read over its whole capacity (masked past each row's
-  length), so the traced shapes change only when the capacity grows, every
-  256 positions (`cache._STEP`); masked keys add exact zeros;
+- attention KV is read up to a whole bucket of positions past the longest
+  row (`cache.read_span`; masked past each row's length, where keys add
+  exact zeros), so a pass is traced once per bucket and capacity, not per
+  length: the bucket reaches the graph as the shape of a marker input
+  (`span_marker`), since a trace sees shapes, not values;
 - a gated-delta layer's state and conv window are fixed-size; when commit will
   need them, the per-step states of the verify are outputs too.
 
@@ -19,11 +21,12 @@ graph unfused). A pass whose caches are not allocated yet runs eagerly once.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, List, Sequence
 
 import mlx.core as mx
 
-from .cache import SlotGDNCache, SlotKVCache
+from .cache import SlotGDNCache, SlotKVCache, read_span
 
 
 class SlotPass:
@@ -50,17 +53,18 @@ class SlotPass:
             if self._kinds:  # the trace depends on the cache layout
                 raise ValueError("a SlotPass serves one cache layout")
             self._kinds = kinds
-        outs = self._fn(*inputs, *_cache_arrays(caches))
+        span = span_marker(_common_span(caches, T))
+        outs = self._fn(span, *inputs, *_cache_arrays(caches))
         with_pending = self.keep_pending and T > 1
         n_run = len(outs) - _n_outputs(caches, T, with_pending)
         _write_back(caches, outs[n_run:], T, with_pending)
         result = outs[:n_run]
         return result[0] if len(result) == 1 else tuple(result)
 
-    def _pure(self, *flat):
+    def _pure(self, span, *flat):
         n_arrays = sum(3 if k is SlotKVCache else 2 for k in self._kinds)
         inputs, arrays = flat[: len(flat) - n_arrays], flat[len(flat) - n_arrays :]
-        shadows = shadow_caches(self._kinds, arrays, T=_steps(inputs))
+        shadows = shadow_caches(self._kinds, arrays, T=_steps(inputs), span=span.shape[0])
         out = self.run(*inputs, shadows)
         out = list(out) if isinstance(out, tuple) else [out]
         return out + _shadow_outputs(shadows, self.keep_pending)
@@ -91,10 +95,32 @@ def _cache_arrays(caches) -> list:
     return out
 
 
-def shadow_caches(kinds, arrays, T: int) -> list:
-    """Fresh cache objects over the traced arrays. A KV shadow reads its whole
-    capacity: host_max + T == capacity. Public because every compiled pass
-    over slot caches (`SlotPass`, `mtplx.draft_chain`) must build them alike."""
+def span_marker(span: int) -> mx.array:
+    """The read span as a traced graph sees it: the shape of an int8 [span]
+    input (0: each KV cache's whole capacity)."""
+    return _marker(span)
+
+
+@lru_cache(maxsize=None)
+def _marker(span: int) -> mx.array:
+    return mx.zeros((span,), dtype=mx.int8)
+
+
+def _common_span(caches, T: int) -> int:
+    """One read span for every KV cache of a pass whose rows hold at most
+    host_max + T positions; 0 where the caches' capacities disagree."""
+    kv = [c for c in caches if isinstance(c, SlotKVCache)]
+    if not kv:
+        return 0
+    span = max(read_span(c.host_max + T, c.keys.shape[2]) for c in kv)
+    return span if all(span <= c.keys.shape[2] for c in kv) else 0
+
+
+def shadow_caches(kinds, arrays, T: int, span: int = 0) -> list:
+    """Fresh cache objects over the traced arrays. A KV shadow reads `span`
+    positions (0: its whole capacity): host_max + T == span. Public because
+    every compiled pass over slot caches (`SlotPass`, `mtplx.draft_chain`)
+    must build them alike."""
     it = iter(arrays)
     shadows = []
     for kind in kinds:
@@ -102,7 +128,7 @@ def shadow_caches(kinds, arrays, T: int) -> list:
             keys, values, lengths = next(it), next(it), next(it)
             s = SlotKVCache(keys.shape[0])
             s.keys, s.values, s.lengths = keys, values, lengths
-            s.host_max = keys.shape[2] - T
+            s.host_max = (span or keys.shape[2]) - T
         else:
             conv, state = next(it), next(it)
             s = SlotGDNCache(conv.shape[0])

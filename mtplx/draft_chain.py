@@ -25,8 +25,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
-from .cache import SlotKVCache
-from .compiled import shadow_caches
+from .cache import SlotKVCache, read_span
+from .compiled import shadow_caches, span_marker
 from .decide import choose_draft, sampling_arrays
 
 
@@ -65,7 +65,7 @@ class DraftChain:
         fn = self._fn(k, greedy, sampling.any_filter, sampling.any_greedy)
         arrays = [a for c in head_caches for a in (c.keys, c.values, c.lengths)]
         sampled = [] if greedy else [keys, *sampling_arrays(sampling)]
-        out = fn(*pending, *sampled, *arrays)
+        out = fn(span_marker(_read_span(head_caches, span + T + k - 1)), *pending, *sampled, *arrays)
         n_drafts = 1 if greedy else 2
         written = iter(out[n_drafts:])
         for c in head_caches:
@@ -93,12 +93,12 @@ class DraftChain:
     def _graph(self, k: int, greedy: bool, any_filter: bool, any_greedy: bool) -> Callable:
         n, head, rule = self.num_layers, self.head, self.rule
 
-        def run(cu_hidden, cu_tokens, take, keep, *rest):
+        def run(marker, cu_hidden, cu_tokens, take, keep, *rest):
             n_sampled = 0 if greedy else 6  # keys [B, k+1, 2] + the five sampling arrays
             sampled, arrays = rest[:n_sampled], rest[n_sampled:]
             # Step 0: every head layer's catch-up over the pending pairs, kept.
-            T = cu_tokens.shape[1]
-            caches = shadow_caches((SlotKVCache,) * n, arrays, T=T)
+            T, S = cu_tokens.shape[1], marker.shape[0]  # S: positions read, 0 for the whole capacity
+            caches = shadow_caches((SlotKVCache,) * n, arrays, T=T, span=S)
             written = []
             for j, cache in enumerate(caches):
                 # Only the output at each row's primary is used: the head's
@@ -108,7 +108,7 @@ class DraftChain:
                     logits, hidden = lg[:, 0], out[:, 0]  # [B, V], [B, H]
                 written += [cache.keys, cache.values, arrays[3 * j + 2] + keep]
             # Step 1: the chain, on caches over the written arrays (its writes make new arrays).
-            chain = shadow_caches((SlotKVCache,) * n, written, T=1)
+            chain = shadow_caches((SlotKVCache,) * n, written, T=1, span=S)
             drafts, qs = [], []
             for i in range(1, k + 1):
                 keys_i = None if greedy else sampled[0][:, i - 1 : i]  # [B, 1, 2]
@@ -119,13 +119,21 @@ class DraftChain:
                 if i < k:
                     j = i % n
                     cache = chain[j]
-                    cache.host_max = cache.keys.shape[2] - 1  # again after a step on this layer: the whole capacity
+                    cache.host_max = (S or cache.keys.shape[2]) - 1  # again after a step on this layer: the whole span
                     lg, out = head(hidden[:, None], d_i, cache=_only(cache, j, n), depth=j + 1)  # [B, 1, V], [B, 1, H]
                     logits, hidden = lg[:, 0], out[:, 0]
             d = mx.concatenate(drafts, axis=1)  # [B, k]
             return ([d] if greedy else [d, mx.concatenate(qs, axis=1)]) + written  # [B, k], [B, k, V]
 
         return run
+
+
+def _read_span(caches: List[SlotKVCache], needed: int) -> int:
+    """Positions the chain reads from every head cache: `needed` (the
+    catch-up's writes, then the chain's) rounded up to a bucket; 0 (the
+    whole capacity) where the caches' capacities differ."""
+    capacities = {c.keys.shape[2] for c in caches}
+    return read_span(needed, capacities.pop()) if len(capacities) == 1 else 0
 
 
 def _only(cache: SlotKVCache, j: int, n: int) -> list:
