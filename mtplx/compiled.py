@@ -53,7 +53,8 @@ class SlotPass:
             if self._kinds:  # the trace depends on the cache layout
                 raise ValueError("a SlotPass serves one cache layout")
             self._kinds = kinds
-        span = span_marker(_common_span(caches, T))
+        needed = max((c.host_max for c in caches if isinstance(c, SlotKVCache)), default=0) + T
+        span = span_marker(common_span(caches, needed))
         outs = self._fn(span, *inputs, *_cache_arrays(caches))
         with_pending = self.keep_pending and T > 1
         n_run = len(outs) - _n_outputs(caches, T, with_pending)
@@ -106,14 +107,12 @@ def _marker(span: int) -> mx.array:
     return mx.zeros((span,), dtype=mx.int8)
 
 
-def _common_span(caches, T: int) -> int:
-    """One read span for every KV cache of a pass whose rows hold at most
-    host_max + T positions; 0 where the caches' capacities disagree."""
-    kv = [c for c in caches if isinstance(c, SlotKVCache)]
-    if not kv:
-        return 0
-    span = max(read_span(c.host_max + T, c.keys.shape[2]) for c in kv)
-    return span if all(span <= c.keys.shape[2] for c in kv) else 0
+def common_span(caches, needed: int) -> int:
+    """One read span for every KV cache among `caches` when their rows hold
+    at most `needed` positions (`cache.read_span`); 0 (each its whole
+    capacity) where their capacities differ or none is a KV cache."""
+    capacities = {c.keys.shape[2] for c in caches if isinstance(c, SlotKVCache)}
+    return read_span(needed, capacities.pop()) if len(capacities) == 1 else 0
 
 
 def shadow_caches(kinds, arrays, T: int, span: int = 0) -> list:

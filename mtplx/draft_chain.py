@@ -25,8 +25,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
-from .cache import SlotKVCache, read_span
-from .compiled import shadow_caches, span_marker
+from .cache import SlotKVCache
+from .compiled import common_span, shadow_caches, span_marker
 from .decide import choose_draft, sampling_arrays
 
 
@@ -65,7 +65,8 @@ class DraftChain:
         fn = self._fn(k, greedy, sampling.any_filter, sampling.any_greedy)
         arrays = [a for c in head_caches for a in (c.keys, c.values, c.lengths)]
         sampled = [] if greedy else [keys, *sampling_arrays(sampling)]
-        out = fn(span_marker(_read_span(head_caches, span + T + k - 1)), *pending, *sampled, *arrays)
+        read = span_marker(common_span(head_caches, span + T + k - 1))  # the catch-up's writes, then the chain's
+        out = fn(read, *pending, *sampled, *arrays)
         n_drafts = 1 if greedy else 2
         written = iter(out[n_drafts:])
         for c in head_caches:
@@ -126,14 +127,6 @@ class DraftChain:
             return ([d] if greedy else [d, mx.concatenate(qs, axis=1)]) + written  # [B, k], [B, k, V]
 
         return run
-
-
-def _read_span(caches: List[SlotKVCache], needed: int) -> int:
-    """Positions the chain reads from every head cache: `needed` (the
-    catch-up's writes, then the chain's) rounded up to a bucket; 0 (the
-    whole capacity) where the caches' capacities differ."""
-    capacities = {c.keys.shape[2] for c in caches}
-    return read_span(needed, capacities.pop()) if len(capacities) == 1 else 0
 
 
 def _only(cache: SlotKVCache, j: int, n: int) -> list:

@@ -41,7 +41,7 @@ def test_a_compiled_pass_reading_a_bucket_gives_the_logits_of_one_reading_the_wh
     import mtplx
     import mtplx.cache as cache
     from mtplx.cache import make_slot_caches
-    from mtplx.compiled import SlotPass, _common_span
+    from mtplx.compiled import SlotPass, common_span
     from mtplx.testing import tiny_checkpoint
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "ckpt", vocab_size=64))
@@ -61,7 +61,7 @@ def test_a_compiled_pass_reading_a_bucket_gives_the_logits_of_one_reading_the_wh
         model.forward(prompts, caches)
         read.clear()
         kv = next(c for c in caches if isinstance(c, cache.SlotKVCache))
-        span = _common_span(caches, T)
+        span = common_span(caches, kv.host_max + T)
         logits, _ = SlotPass(model.forward, keep_pending=T > 1)((tokens,), caches, T=T)
         mx.eval(logits)
         assert read == {span}, (read, span)  # what the traced pass read
