@@ -96,14 +96,10 @@ def _cache_arrays(caches) -> list:
     return out
 
 
+@lru_cache(maxsize=None)
 def span_marker(span: int) -> mx.array:
     """The read span as a traced graph sees it: the shape of an int8 [span]
-    input (0: each KV cache's whole capacity)."""
-    return _marker(span)
-
-
-@lru_cache(maxsize=None)
-def _marker(span: int) -> mx.array:
+    input (0: each KV cache's whole capacity). One array per span, shared."""
     return mx.zeros((span,), dtype=mx.int8)
 
 
