@@ -156,6 +156,12 @@ HOLD_DEEPER = 1.02
 # batch 1 the two predictions differ by one position of a dispatch-bound
 # pass, which calibration cannot resolve: four samplings of 15 rounds each
 # put (verify over 4 + 3 heads) / (verify over 3 + 2 heads) at 1.106-1.187.
+# A batch-1 controller picks its greedy cycles' depth by the same rule, and
+# this is also the gain it takes to change depth: under DEPTH_TOLERANCE four
+# adaptive runtimes at batch 1 greedy ran depth 1 in up to 30% of their
+# cycles (a start or a few noisy pairs within 5%, and nothing 5% better to
+# leave it for) and came out at 0.948-0.987 of a fixed depth 3 over 64 paired
+# rounds; under this rule four came out at 0.981-1.004 (2026-12-02).
 SINGLE_ROW_JOB_TIE = 1.02
 
 # A speculating controller goes off before `min_rows` once even an optimistic
@@ -304,13 +310,18 @@ class DepthController:
     def __init__(self, costs: CycleCosts, prior: Sequence[float], max_depth: int,
                  half_life_rows: float = 256.0, prior_weight: float = 32.0,
                  min_rows: int = 256, retry_rows: int = 1024, probe_rows: int = 64,
-                 start_off: bool = False):
+                 start_off: bool = False, one_row: bool = False):
         self.costs = costs
+        # One row: the deepest depth within a near tie, as for a one-row job depth (SINGLE_ROW_JOB_TIE).
+        self.tie = SINGLE_ROW_JOB_TIE if one_row else DEPTH_TOLERANCE
+        self.deepest = one_row
         self.max_depth = max_depth
-        self.prior_passed = prior_weight * np.array(conditional_rates(prior[:max_depth]))  # [K]
-        self.prior_reached = np.full(max_depth, prior_weight)  # [K]
-        self.passed = np.zeros(max_depth)  # [K]
-        self.reached = np.zeros(max_depth)  # [K]
+        # Counts by depth as Python floats: K is at most a few, and numpy's
+        # per-call cost made the controller ~0.1 ms of a 5-7 ms batch-1 cycle.
+        self.prior_passed = [prior_weight * r for r in conditional_rates(prior[:max_depth])]  # [K]
+        self.prior_reached = [float(prior_weight)] * max_depth  # [K]
+        self.passed = [0.0] * max_depth  # [K]
+        self.reached = [0.0] * max_depth  # [K]
         self._unfaded_rows = 0  # row-cycles whose decay is not applied to the counts yet
         self.half_life_rows = half_life_rows
         self.min_rows = min_rows
@@ -336,35 +347,48 @@ class DepthController:
         self.timed = True
         self.timing.launched(depth, t, clean)
 
-    def observe(self, accepted: np.ndarray, drafted: np.ndarray):
+    def observe(self, accepted: Sequence[int], drafted: Sequence[int]):
         """One cycle's active rows: accepted a_b and drafted (num_valid) counts."""
         n = len(accepted)
         if n == 0:
             return
         self.rows_seen += n
         self._unfaded_rows += n
-        if not drafted.any():  # a plain cycle: nothing to count, the evidence fades
+        K = self.max_depth
+        # A row reached d_i when it accepted d_1..d_{i-1} and drafted d_i,
+        # i.e. i <= min(a + 1, drafted) (a <= drafted), and passed it when i <= a:
+        # histograms of both, summed from the top.
+        reached_at, passed_at = [0] * (K + 2), [0] * (K + 2)
+        for a, d in zip(accepted, drafted):
+            reached_at[min(int(a) + 1, int(d), K)] += 1
+            passed_at[min(int(a), K)] += 1
+        if reached_at[0] == n:  # a plain cycle: nothing to count, the evidence fades
             return
         self._fade()
-        i = np.arange(1, self.max_depth + 1)[None, :]  # [1, K]
-        reached = (accepted[:, None] >= i - 1) & (drafted[:, None] >= i)  # [n, K]
-        self.reached = self.reached + reached.sum(axis=0)
-        self.passed = self.passed + (accepted[:, None] >= i).sum(axis=0)
+        reached = passed = 0
+        for i in range(K, 0, -1):
+            reached += reached_at[i]
+            passed += passed_at[i]
+            self.reached[i - 1] += reached
+            self.passed[i - 1] += passed
 
     def _fade(self) -> None:
         """Decay the counts for the row-cycles seen since the last fade (kept
         lazy: off, a cycle would otherwise pay for it while nothing reads them)."""
         if self._unfaded_rows:
             decay = 0.5 ** (self._unfaded_rows / self.half_life_rows)
-            self.reached = decay * self.reached
-            self.passed = decay * self.passed
+            self.reached = [decay * x for x in self.reached]
+            self.passed = [decay * x for x in self.passed]
             self._unfaded_rows = 0
 
     def acceptance(self) -> List[float]:
         """Current cumulative acceptance estimate by depth."""
         self._fade()
-        cond = (self.prior_passed + self.passed) / (self.prior_reached + self.reached)
-        return [float(x) for x in np.cumprod(cond)]
+        out, cum = [], 1.0
+        for pp, p, pr, r in zip(self.prior_passed, self.passed, self.prior_reached, self.reached):
+            cum *= (pp + p) / (pr + r)
+            out.append(cum)
+        return out
 
     def choose(self, draining: bool = False) -> int:
         """The depth of the next cycle. `draining`: nothing waits to refill
@@ -382,9 +406,9 @@ class DepthController:
         acc = self.acceptance()
         costs = self.timing.costs() if self.timed else self.costs
         scores = {k: predicted_speedup(costs, acc, k) for k in range(1, self.max_depth + 1)}
-        best = fastest_depth(scores)
+        best = fastest_depth(scores, self.tie, self.deepest)
         current = self._current
-        if current in scores and current < best and scores[current] * DEPTH_TOLERANCE >= scores[best]:
+        if current in scores and current < best and scores[current] * self.tie >= scores[best]:
             best = current  # changing depth costs a slow cycle or two: go deeper only for a clear gain
         elif current in scores and current > best and scores[current] >= scores[best] * HOLD_DEEPER:
             best = current  # a deeper depth is kept only while it stays clearly ahead
@@ -575,4 +599,4 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
         f"otherwise (greedy rows, or the coupled rule) 0..{K} per cycle from the running acceptance, "
         f"starting {'at depth ' + str(start) if start else 'with speculation off'}"
     )
-    return AutoDepth(job, K, DepthController(costs, acceptance, K, start_off=start == 0), record)
+    return AutoDepth(job, K, DepthController(costs, acceptance, K, start_off=start == 0, one_row=max_batch == 1), record)

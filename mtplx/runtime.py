@@ -457,8 +457,8 @@ class MTPLXRuntime:
         bad = inf.bad.tolist()
         lp = None if inf.logprobs is None else inf.logprobs.tolist()
         if self.auto is not None and self.auto.controller is not None:
-            live = np.array([r is not None for r in inf.rows])
-            self.auto.controller.observe(np.array(a, dtype=np.int64)[live], np.array(nv)[live])
+            live = [b for b, r in enumerate(inf.rows) if r is not None]
+            self.auto.controller.observe([a[b] for b in live], [nv[b] for b in live])
         finished = []
         for b, row in enumerate(inf.rows):
             if row is None or batch.rows[b] is not row:

@@ -178,6 +178,35 @@ def test_controller_starts_from_the_prior_then_follows_the_acceptance_it_sees():
     assert c.choose() == 3 > start
 
 
+def test_controller_counts_a_depth_reached_only_past_every_accepted_draft_before_it():
+    costs = _costs(10.0, {1: 10.5, 2: 11.0, 3: 11.5}, 0.5)
+    c = DepthController(costs, prior=[0.5, 0.2, 0.05], max_depth=3, prior_weight=1.0, half_life_rows=1e12)
+    accepted, drafted = [0, 1, 3, 2, 1, 0], [3, 3, 3, 2, 1, 0]
+    c.observe(accepted, drafted)
+    # d_i reached: accepted d_1..d_{i-1} and drafted d_i; passed: accepted d_i.
+    reached = [sum(a >= i - 1 and d >= i for a, d in zip(accepted, drafted)) for i in (1, 2, 3)]
+    passed = [sum(a >= i for a in accepted) for i in (1, 2, 3)]
+    assert reached == [5, 3, 1] and passed == [4, 2, 1]
+    assert c.reached == pytest.approx(reached) and c.passed == pytest.approx(passed)
+    c.observe([0, 0], [0, 0])  # a plain cycle counts nothing
+    assert c.reached == pytest.approx(reached)
+
+
+def test_a_one_row_controller_runs_the_deepest_depth_within_a_near_tie():
+    # Depth 1 within DEPTH_TOLERANCE of the fastest (depth 2), depth 3 within
+    # the single-row tie: a batch of rows takes the shallowest, one row the deepest.
+    costs = _costs(10.0, {1: 10.0, 2: 12.2, 3: 13.5}, 0.5)
+    prior = [0.75, 0.5, 0.3]
+    s1, s2, s3 = (predicted_speedup(costs, prior, k) for k in (1, 2, 3))
+    assert s3 < s2 and s2 <= s3 * SINGLE_ROW_JOB_TIE and s2 <= s1 * DEPTH_TOLERANCE
+    assert DepthController(costs, prior, max_depth=3).choose() == 1
+    one_row = DepthController(costs, prior, max_depth=3, one_row=True)
+    assert one_row.choose() == 3
+    for _ in range(200):  # d_3 never accepted: depth 2 clearly ahead
+        one_row.observe([2], [3])
+    assert one_row.choose() == 2
+
+
 def test_controller_goes_shallower_when_deep_drafts_stop_being_accepted():
     costs = _costs(10.0, {1: 10.5, 2: 11.0, 3: 11.5}, 0.5)
     c = DepthController(costs, prior=[0.9, 0.8, 0.7], max_depth=3)
