@@ -177,7 +177,7 @@ def _with_engine(spec, engine, address, actors):
 @click.option("--keep-column", "keep_columns", multiple=True, help="Input column to copy into the output (repeatable).")
 @click.option("--depth", type=DepthType(), default=2, show_default=True,
               help="MTP draft tokens per cycle; 0 decodes plainly; 'auto' picks from a cost model.")
-@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True, help="Decode slots (rows at once).")
+@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True, help="Decode slots (rows at once); a job with fewer rows left uses one slot per row.")
 @click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True, help="Tokens per completion at most.")
 @click.option("-n", "--n", "n", type=click.IntRange(1), default=1, show_default=True, help="Samples per prompt.")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")

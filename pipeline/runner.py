@@ -107,12 +107,12 @@ def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_fact
     # depth "auto": a resumed job's sampled rows draw at the depth its first run chose.
     recorded = state.recorded.get(AUTO_SAMPLED_DEPTH) if auto else None
     given = {} if recorded is None else {"sampled_depth": recorded}
-    engine = engine_factory(job.ref, job.spec, job.spec.batch.max_memory, **given)
+    todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
+    engine = engine_factory(job.ref, slots_for(job.spec, todo), job.spec.batch.max_memory, **given)
     manifest = job.manifest
     if auto and "depth" in engine.stats.get("auto_depth", {}):
         manifest = {**manifest, AUTO_SAMPLED_DEPTH: engine.stats["auto_depth"]["depth"]}
     start_output(state, manifest)
-    todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
     if not opts.quiet:
         if auto:
             log(f"{job.spec.name}: depth auto: {engine.stats.get('auto_depth', {}).get('policy', 'no plan recorded')}")
@@ -142,6 +142,17 @@ def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_fact
     finally:
         stopper.restore()
         progress.close()
+
+
+def slots_for(spec: JobSpec, todo: int) -> JobSpec:
+    """The spec with no more decode slots than samples left to do: a cycle
+    computes every slot, and depth "auto" calibrates at the runtime's batch
+    size (a 5-row greedy job at the default 16 slots planned plain decoding
+    there; at 5 slots it speculates). Slots only schedule: a row's output
+    does not depend on them (`BatchSpec`)."""
+    if 0 < todo < spec.batch.max_batch:
+        return replace(spec, batch=replace(spec.batch, max_batch=todo))
+    return spec
 
 
 def finish_holding_signals(job: Prepared, out: Path, run: dict, runtime: dict, stopper: Stopper) -> RunResult:

@@ -229,6 +229,16 @@ def test_max_memory_sizes_the_runtime(tmp_path, tiny_model):
     assert 1 <= rt["max_batch"] <= 16 and rt["estimated_memory_bytes"] <= 10**9
 
 
+def test_a_job_of_fewer_rows_than_slots_decodes_in_as_many_slots_as_it_has_samples(tmp_path, tiny_model):
+    inp, out = tmp_path / "in.parquet", tmp_path / "out"
+    write_parquet(inp, prompt=["the cat", "a dog", "one"])
+    r = invoke("generate", "--input", inp, "--output", out, "--model", tiny_model, "--max-tokens", 2,
+               "--batch-size", 16)
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "summary.json").read_text())["runtime"]["max_batch"] == 3
+    assert read_parts(out).num_rows == 3
+
+
 def test_inspect_of_a_foreign_parquet_file_named_like_a_part_is_a_bad_job(tmp_path):
     d = tmp_path / "foreign"
     write_parquet(d / "part-00000.parquet", id=["a"], prompt=["the cat"])
