@@ -296,7 +296,9 @@ class DepthController:
     spell draft from a head history with gaps: that lowers their acceptance,
     never their output. `start_off`: begin with speculation off, as when the
     prior is not predicted to pay by the margin; it then goes on at its
-    first probe that pays.
+    first probe that pays. `one_row` (a batch of one): the deepest depth
+    within SINGLE_ROW_JOB_TIE of the fastest, and a change of depth only for
+    one predicted that much faster.
 
     The cycle costs it predicts from start as calibrated. Told each cycle's
     launch (`launched`), it measures them as the job runs (`CycleTimes`),
