@@ -50,8 +50,6 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-import numpy as np
-
 from .costs import BareCostSampler, CycleCosts, measure_cycle_costs, predicted_speedup
 from .cycle_timing import CycleTimes
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
-import numpy as np
 
 from .blas_threads import decode_threads, gemm_row_cost, release_threads, use_threads
 from .compiled import SlotPass
