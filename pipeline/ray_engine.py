@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import count
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
@@ -101,7 +101,7 @@ def numbered_shards(rows: Iterator[PromptRow], shard_rows: int, first: int) -> I
 
 def run_on_ray(job, opts, state: OutputState, started: float, log):
     """The Ray counterpart of `runner.run_locally`."""
-    from .runner import RunResult, finish_holding_signals
+    from .runner import RunResult, finish_holding_signals, slots_for
 
     ray = import_ray()
     spec, out = job.spec, state.path
@@ -113,7 +113,8 @@ def run_on_ray(job, opts, state: OutputState, started: float, log):
         if todo > 0:
             placement = place_actors(ray.cluster_resources(), _alive_nodes(ray), spec.ray.actors)
             recorded = state.recorded.get(AUTO_SAMPLED_DEPTH) if spec.model.depth == "auto" else None
-            workers, ready = _start_workers(ray, job, out, placement, recorded)
+            # No actor holds more samples than the job has left.
+            workers, ready = _start_workers(ray, replace(job, spec=slots_for(spec, todo)), out, placement, recorded)
             settings = _settings(ready, placement, spec)
             prompts = -(-todo // job.plan.n)  # the shards count prompt rows; each has n samples
             settings["shard_rows"] = shard_size(spec.ray.shard_rows, prompts, placement.actors,

@@ -300,3 +300,18 @@ def test_ray_actors_sample_at_one_auto_depth_which_a_resume_reuses(tmp_path, tin
     assert r.exit_code == 1, r.output
     assert {a["sampled_depth"] for a in summary_of(out)["runtime"]["per_actor"]} == {other}
     assert len(rows_by_key(out)) == ROWS * N
+
+
+@pytest.mark.ray
+def test_ray_actors_open_no_more_slots_than_the_job_has_samples_left(tmp_path, tiny_model, ray_cluster):
+    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b", "c"], prompt=["the cat", "a dog", "one"])
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.toml", (
+        f'name = "few"\nengine = "ray"\n[model]\npath = "{tiny_model}"\n[input]\npath = "{inp}"\nid_column = "id"\n'
+        f'[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 2\n[batch]\nmax_batch = 16\n'
+        f'[ray]\nactors = 1\n[output]\npath = "{out}"\n'
+    ))
+    r = invoke("run", job, "--quiet")
+    assert r.exit_code == 0, r.output
+    assert [a["max_batch"] for a in summary_of(out)["runtime"]["per_actor"]] == [3]
+    assert pq.read_table(sorted(out.glob("part-*.parquet"))).num_rows == 3
