@@ -155,11 +155,12 @@ HOLD_DEEPER = 1.02
 # pass, which calibration cannot resolve: four samplings of 15 rounds each
 # put (verify over 4 + 3 heads) / (verify over 3 + 2 heads) at 1.106-1.187.
 # A batch-1 controller picks its greedy cycles' depth by the same rule, and
-# this is also the gain it takes to change depth: under DEPTH_TOLERANCE four
-# adaptive runtimes at batch 1 greedy ran depth 1 in up to 30% of their
+# this is also the gain it takes to change depth. Under DEPTH_TOLERANCE some
+# adaptive runtimes at batch 1 greedy ran depth 1 in up to 28% of their
 # cycles (a start or a few noisy pairs within 5%, and nothing 5% better to
-# leave it for) and came out at 0.948-0.987 of a fixed depth 3 over 64 paired
-# rounds; under this rule four came out at 0.981-1.004 (2026-12-02).
+# leave it for); over four processes of 64 paired rounds ten such runtimes
+# came out at 0.906-0.991 of a fixed depth 3 (mean 0.958), six under this
+# rule at 0.947-1.004 (mean 0.978) (2026-12-02).
 SINGLE_ROW_JOB_TIE = 1.02
 
 # A speculating controller goes off before `min_rows` once even an optimistic
