@@ -105,7 +105,7 @@ def run_on_ray(job, opts, state: OutputState, started: float, log):
 
     ray = import_ray()
     spec, out = job.spec, state.path
-    todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
+    todo = job.output_rows - state.rows_done
     owns = _connect(ray, spec.ray.address, opts.quiet)
     workers, settings = [], {"engine": "ray", "actors": 0}
     stopper = Stopper()

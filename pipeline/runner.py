@@ -58,6 +58,11 @@ class Prepared:
     plan: Plan
     manifest: dict
 
+    @property
+    def output_rows(self) -> int:
+        """Rows the finished output holds: input rows x templates x samples."""
+        return self.source.num_rows * self.plan.variants * self.plan.n
+
 
 def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
     """Every check that needs no weights: model path, input files, columns, ids."""
@@ -107,7 +112,7 @@ def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_fact
     # depth "auto": a resumed job's sampled rows draw at the depth its first run chose.
     recorded = state.recorded.get(AUTO_SAMPLED_DEPTH) if auto else None
     given = {} if recorded is None else {"sampled_depth": recorded}
-    todo = job.source.num_rows * job.plan.variants * job.plan.n - state.rows_done
+    todo = job.output_rows - state.rows_done
     engine = engine_factory(job.ref, slots_for(job.spec, todo), job.spec.batch.max_memory, **given)
     manifest = job.manifest
     if auto and "depth" in engine.stats.get("auto_depth", {}):
@@ -261,7 +266,7 @@ def dry_run(job: Prepared, opts: RunOptions) -> RunResult:
         longest = max(longest, r.prompt_length)
         if max_ctx is not None and r.prompt_length + spec.generation.max_tokens > max_ctx:
             over += len(r.todo)
-    total = job.source.num_rows * plan.variants * plan.n
+    total = job.output_rows
     report = [
         f"job {spec.name}: dry run, the model's weights were not loaded",
         f"model: {job.ref.path}" + (" (built-in default)" if job.ref.is_default else ""),
