@@ -359,7 +359,7 @@ class DepthController:
         # A row reached d_i when it accepted d_1..d_{i-1} and drafted d_i,
         # i.e. i <= min(a + 1, drafted) (a <= drafted), and passed it when i <= a:
         # histograms of both, summed from the top.
-        reached_at, passed_at = [0] * (K + 2), [0] * (K + 2)
+        reached_at, passed_at = [0] * (K + 1), [0] * (K + 1)  # by depth 0..K
         for a, d in zip(accepted, drafted):
             reached_at[min(int(a) + 1, int(d), K)] += 1
             passed_at[min(int(a), K)] += 1
