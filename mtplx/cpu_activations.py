@@ -139,8 +139,13 @@ def fast_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, st
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
-    q = (q * scale).reshape(B, Hkv, rep, L, D)
-    scores = q @ k[:, :, None].swapaxes(-1, -2)  # [B, Hkv, rep, L, S]
+    # The rep query heads of a key group are the rows of one product with its
+    # keys, rather than rep products over keys broadcast along a rep axis.
+    # Each score is the same dot product (bit for bit here); one attention
+    # of the built-in model at batch 4 over 192 keys took 209 against 255 us
+    # (3 queries), 141 against 167 us (1 query), eager.
+    q = (q * scale).reshape(B, Hkv, rep * L, D)
+    scores = (q @ k.swapaxes(-1, -2)).reshape(B, Hkv, rep, L, S)
     allowed = None
     if isinstance(mask, str):  # "causal": query i sits at position S - L + i
         allowed = mx.arange(S)[None, :] <= (S - L + mx.arange(L))[:, None]  # [L, S]
@@ -152,7 +157,7 @@ def fast_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, st
             scores = scores + mask
     softmax, masked = (_step_softmax, _step_masked_softmax) if step else (_softmax, _masked_softmax)
     p = (softmax(scores) if allowed is None else masked(scores, allowed)).astype(v.dtype)  # [B, Hkv, rep, L, S]
-    return (p @ v[:, :, None]).reshape(B, Hq, L, -1)
+    return (p.reshape(B, Hkv, rep * L, S) @ v).reshape(B, Hq, L, -1)
 
 
 def _per_group(mask: mx.array, Hkv: int, rep: int) -> mx.array:
