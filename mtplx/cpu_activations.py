@@ -181,11 +181,10 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
     values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
     if cache is not None:
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
+        queries, keys = _rope_together(self.rope, queries, keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
     else:
-        queries, keys = self.rope(queries), self.rope(keys)
+        queries, keys = _rope_together(self.rope, queries, keys)
     if _prompt_pass(x):
         output = fast_attention(queries, keys, values, self.scale, mask)
         gate = _fast_sigmoid(gate)
@@ -194,6 +193,16 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
         gate = step_sigmoid(gate)
     output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
     return self.o_proj(output * gate)
+
+
+def _rope_together(rope, queries: mx.array, keys: mx.array, **offset):
+    """queries [B, Hq, L, D] and keys [B, Hkv, L, D] rotated in one RoPE call
+    over their heads side by side. On the CPU RoPE runs as ops (positions,
+    their cos and sin, the rotation), so a call per tensor built those twice
+    a layer; each element gets the same arithmetic either way."""
+    both = rope(mx.concatenate([queries, keys], axis=1), **offset)  # [B, Hq + Hkv, L, D]
+    n = queries.shape[1]
+    return both[:, :n], both[:, n:]
 
 
 def _gated_norm_call(self, hidden_states: mx.array, gate=None) -> mx.array:

@@ -67,6 +67,20 @@ def test_fast_attention_matches_mlx_fast_attention(B, Hq, Hkv, L, S, mask_kind, 
     assert got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
 
 
+@pytest.mark.parametrize("dims,traditional", [(2, False), (8, False), (8, True)])
+@pytest.mark.parametrize("offset", ["int", "per_row"])
+def test_rope_over_queries_and_keys_together_is_bit_identical_to_a_call_each(dims, traditional, offset):
+    from mtplx.cpu_activations import _rope_together
+
+    rng = np.random.default_rng(dims)
+    rope = nn.RoPE(dims, traditional=traditional, base=10000)
+    q = mx.array(rng.normal(size=(3, 4, 5, 8)).astype(np.float32))
+    k = mx.array(rng.normal(size=(3, 5, 2, 8)).astype(np.float32)).transpose(0, 2, 1, 3)  # a view, as in the layer
+    kw = {"offset": 7} if offset == "int" else {"offset": mx.array([0, 13, 130], dtype=mx.int32)}
+    got_q, got_k = _rope_together(rope, q, k, **kw)
+    assert mx.array_equal(got_q, rope(q, **kw)).item() and mx.array_equal(got_k, rope(k, **kw)).item()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_swapped_model_computes_what_mlx_lm_computes_and_other_loads_are_untouched(tmp_path, family):
     path = tiny_checkpoint(family, tmp_path / family, vocab_size=48)
