@@ -117,7 +117,7 @@ class BareCostSampler:
         call warms them up: tracing and kernel builds)."""
         warm = bool(self.times["step"])
         try:
-            times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if warm else 2)
+            times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if warm else 2, lead=LEAD)
         finally:
             release_threads(self.passes)  # the passes set OpenBLAS's threads as their cycles would
         for name, ts in times.items():
@@ -138,6 +138,17 @@ class BareCostSampler:
 # previous one is read, as the runtime launches cycles (on the CPU backend
 # that overlaps little).
 BURST = 4
+# Untimed calls of a pass before its burst. A pass's first call after
+# another pass runs cold: it also pays for OpenBLAS's thread count switching
+# (the step runs at the caller's count, a verify at batch 4 single-threaded,
+# `mtplx.blas_threads`) and for whatever the other pass left behind, which
+# the runtime's cycles, one kind after another at one count, do not. Timed
+# cold, the verifies over the step came out low and the head high: at batch
+# 4 on the built-in model (30 interleaved rounds) verify k=1, 2, 3 over the
+# step 1.239, 1.472, 1.738 and a head pass 0.060 of it, against 1.262,
+# 1.520, 1.800 and 0.056 after one untimed call; with OpenBLAS held at one
+# thread (no switch) the gap was 0.3%, 1.4%, 2.5% and -8%.
+LEAD = 1
 
 
 def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: bool) -> dict:
@@ -347,16 +358,19 @@ def _fastest(ts) -> float:
     return min((t for t in ts if not math.isnan(t)), default=float("inf"))
 
 
-def interleaved_times(fns: dict, repeats: int, burst: int = 1, warmups: int = 1) -> Dict[str, list]:
+def interleaved_times(fns: dict, repeats: int, burst: int = 1, warmups: int = 1, lead: int = 0) -> Dict[str, list]:
     """Seconds per call of each function, timed round-robin so that load from
     other processes on a shared machine hits every candidate alike; each
-    timing is a burst of `burst` calls launched back to back."""
+    timing is a burst of `burst` calls launched back to back, after `lead`
+    untimed calls of the same function."""
     for fn in fns.values():  # warm-up: tracing and kernel builds
         for _ in range(warmups):
             mx.eval(fn())
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            for _ in range(lead):
+                mx.eval(fn())
             t0 = time.perf_counter()
             for _ in range(burst):
                 out = fn()

@@ -404,6 +404,29 @@ def test_bare_cost_sampler_pools_every_round_and_anchors_to_the_fastest_step(tin
     assert c.verify_s == pytest.approx({1: 1.6, 2: 2.5}) and c.head_s == pytest.approx(0.1)
 
 
+def test_interleaved_times_run_lead_calls_of_a_pass_untimed_before_its_burst(monkeypatch):
+    from mtplx import costs
+    import mlx.core as mx
+
+    clock, calls = [0.0], []
+
+    def pass_named(name):
+        def run():
+            calls.append(name)
+            # A lead call costs 100 s of fake time and a burst call 1 s: a
+            # timing that included a lead call would read far above 1.
+            clock[0] += 100.0 if len(calls) % 4 == 1 else 1.0
+            return mx.zeros((1,))
+        return run
+
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+    times = costs.interleaved_times({"a": pass_named("a"), "b": pass_named("b")}, repeats=2, burst=3,
+                                    warmups=0, lead=1)
+    assert calls == ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4  # per round and pass: 1 lead + a burst of 3
+    assert times == {"a": [1.0, 1.0], "b": [1.0, 1.0]}
+    assert costs.LEAD >= 1  # the bare-cost sampler times every pass warm
+
+
 # ------------------------------------------------------------ a real tiny run
 
 MTPLX_KEYS = {
