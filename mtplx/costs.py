@@ -4,7 +4,8 @@
 - `verify_s[k]`: one trunk forward of k+1 tokens per row (a verify pass);
 - `head_s`: one head forward of 1 token per row (a draft step).
 Costs are measured with the slot caches and the compiled passes the runtime
-uses (`mtplx.compiled.SlotPass`), at a given batch size and context length,
+uses (`mtplx.compiled.trunk_pass`, staged as the runtime stages it, and the
+head's `SlotPass`), at a given batch size and context length,
 anchored to the step's fastest of interleaved rounds (`BareCostSampler`). `CycleCosts`
 are the runtime's own whole cycles (`measure_cycle_costs`).
 """
@@ -21,7 +22,7 @@ import numpy as np
 
 from .blas_threads import decode_threads, gemm_row_cost, release_threads, use_threads
 from .cache import SlotKVCache, commit_gdn, make_slot_caches
-from .compiled import SlotPass, head_layer
+from .compiled import SlotPass, head_layer, trunk_pass
 from .decode_model import prepare_for_decoding
 
 
@@ -165,8 +166,8 @@ def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: b
     row_cost = gemm_row_cost(model)
     passes = {}  # also the owner of OpenBLAS's thread count while they run
 
-    def trunk_pass(T):
-        run = SlotPass(model.forward, keep_pending=T > 1, compiled=compiled)
+    def verify_pass(T):
+        run = trunk_pass(model, keep_pending=T > 1, compiled=compiled)
         keep = mx.ones((B,), dtype=mx.int32)
         threads = decode_threads(row_cost, B * T)  # as the runtime's cycle of this width runs it
 
@@ -178,8 +179,8 @@ def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: b
 
         return _rolled_back(caches, verify)
 
-    passes["step"] = trunk_pass(1)
-    passes.update({k: trunk_pass(k + 1) for k in depths})
+    passes["step"] = verify_pass(1)
+    passes.update({k: verify_pass(k + 1) for k in depths})
     if model.head is not None:
         hidden = mx.zeros((B, 1, _hidden_size(model)), dtype=mx.float32)
         head_cache = _warm_head(model, B, context)[:1]

@@ -61,11 +61,20 @@ class MTPModel:
     def forward(self, tokens: mx.array, cache=None) -> Tuple[mx.array, mx.array]:
         """Trunk logits [B, T, V] and, per position, the hidden state [B, T, H]
         this family's head consumes."""
-        inner = self.text_model
-        x = inner.embed_tokens(tokens)  # [B, T, H]
-        layers = inner.layers
+        return self.logits_and_hidden(self.run_layers(self.embed(tokens), cache))
+
+    # The forward in three parts, so that a decode pass can run it as a chain
+    # of graphs, a few layers each (mtplx.compiled.StagedPass).
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.text_model.embed_tokens(tokens)  # [B, T, H]
+
+    def run_layers(self, x: mx.array, cache=None, start: int = 0, stop: Optional[int] = None) -> mx.array:
+        """Trunk layers start..stop over x [B, T, H]; `cache` holds theirs
+        (None: no caches)."""
+        stop = len(self.text_model.layers) if stop is None else stop
+        layers = self.text_model.layers[start:stop]
+        kinds = self.layer_kinds[start:stop]
         cache = cache if cache is not None else [None] * len(layers)
-        kinds = self.layer_kinds
         attn_mask = ssm_mask = None
         if "attn" in kinds:
             attn_mask = create_attention_mask(x, cache[kinds.index("attn")], return_array=True)
@@ -74,7 +83,10 @@ class MTPModel:
         run = self.family.run_layer or (lambda layer, h, m, c: layer(h, m, c))
         for layer, kind, c in zip(layers, kinds, cache):
             x = run(layer, x, ssm_mask if kind == "linear" else attn_mask, c)
-        normed = inner.norm(x)
+        return x
+
+    def logits_and_hidden(self, x: mx.array) -> Tuple[mx.array, mx.array]:
+        normed = self.text_model.norm(x)
         logits = self.family.lm_head(self.trunk)(normed)  # [B, T, V]
         return logits, (normed if self.family.hidden_after_norm else x)
 

@@ -18,7 +18,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .cache import SlotGDNCache, make_slot_caches, rounded_capacity
-from .compiled import SlotPass
+from .compiled import StagedPass
 
 
 @dataclass
@@ -80,7 +80,7 @@ def prompt_pass(model, prompts: List[List[int]], chunk: int, with_head: bool) ->
 
 
 def last_token_step(model, passes: List[_PromptPass], prefix: List[int], last: List[int],
-                    step: Optional[SlotPass] = None):
+                    step: Optional[StagedPass] = None):
     """Every row's last prompt token in one one-position step. mlx-lm's
     prompt pass stops one token short and feeds the last one so, and every
     later token is decoded so. A pass over the whole prompt computes that
@@ -160,7 +160,7 @@ def _row(trunk: list, head_cache, logits, hidden, b: int, g: int, n: int) -> Pre
 
 
 def prefill_groups(model, prompts: List[List[int]], groups: List[List[int]], chunk: int, with_head: bool,
-                   step: Optional[SlotPass] = None) -> List[Prefilled]:
+                   step: Optional[StagedPass] = None) -> List[Prefilled]:
     """A prompt pass per group of prompt indices, then one last-token step
     for them all; results in input order."""
     passes = [prompt_pass(model, [prompts[i] for i in g], chunk, with_head) for g in groups]
@@ -177,7 +177,7 @@ def prefill_groups(model, prompts: List[List[int]], groups: List[List[int]], chu
 
 
 def prefill_batch(model, prompts: List[List[int]], chunk: int, with_head: bool,
-                  step: Optional[SlotPass] = None) -> List[Prefilled]:
+                  step: Optional[StagedPass] = None) -> List[Prefilled]:
     """Every prompt in one prompt pass, right-padded to the longest."""
     return prefill_groups(model, prompts, [list(range(len(prompts)))], chunk, with_head, step)
 
@@ -189,7 +189,7 @@ PREFILL_CALL_POSITIONS = 32
 
 
 def prefill_by_length(model, prompts: List[List[int]], chunk: int, with_head: bool,
-                      call_positions: int = PREFILL_CALL_POSITIONS, step: Optional[SlotPass] = None) -> List[Prefilled]:
+                      call_positions: int = PREFILL_CALL_POSITIONS, step: Optional[StagedPass] = None) -> List[Prefilled]:
     """A prompt pass per group of similar lengths, results in input order. A
     pass is padded to its longest prompt, and prompts of 30 and 128 tokens
     padded together compute 98 positions for nothing; a group per length

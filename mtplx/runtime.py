@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from .blas_threads import decode_threads, gemm_row_cost, release_threads, use_threads
-from .compiled import SlotPass
+from .compiled import trunk_pass
 from .completion import Completion, Request, error_completion, find_stop_string
 from .decide import decide
 from .decode_model import prepare_for_decoding
@@ -81,7 +81,7 @@ class MTPLXRuntime:
         # Also the prefill's one-position step over the last prompt tokens (a
         # one-position pass keeps nothing pending): at depth 0 it is the
         # decode step's own trace.
-        self._verify = SlotPass(model.forward, keep_pending=self.depth > 0, compiled=contract.compile)
+        self._verify = trunk_pass(model, keep_pending=self.depth > 0, compiled=contract.compile)
         self._draft_chain = DraftChain(model.head, model.num_head_layers, contract.acceptance,
                                        compiled=contract.compile) if self.depth > 0 else None
         # When each recent cycle launch started. In steady decoding launch to
@@ -218,8 +218,9 @@ class MTPLXRuntime:
         while True:
             # The next cycle is launched before the host reads the one in
             # flight, so reading overlaps with device compute. (On the CPU
-            # backend mx.async_eval returns only near the end of the cycle it
-            # starts, so graph building does not overlap there.)
+            # backend the host can queue only ~100 ops ahead; the trunk pass
+            # is started a layer at a time so that building it overlaps too,
+            # mtplx.compiled.StagedPass.)
             if inflight is not None and self._may_end_rows(inflight):
                 yield from self._collect(batch, inflight)
                 inflight = None

@@ -52,15 +52,24 @@ def test_the_row_cost_is_the_largest_float32_matrix_and_none_in_half_precision(t
 
 
 def _spy_on_counts(monkeypatch, rt):
-    """The OpenBLAS count at every evaluation a cycle launches, and after each prefill."""
+    """The OpenBLAS count at every evaluation a cycle launch starts, and after each prefill."""
     seen = {"cycle": set(), "prefill": set()}
+    launching = []
     import mtplx.runtime as runtime
 
-    real_async_eval, prepare = runtime.mx.async_eval, rt.prepare
+    real_async_eval, prepare, launch = runtime.mx.async_eval, rt.prepare, rt._launch
 
     def async_eval(*arrays):
-        seen["cycle"].add(blas_threads.openblas_threads())
+        if launching:  # the prefill's last step starts its stages too
+            seen["cycle"].add(blas_threads.openblas_threads())
         return real_async_eval(*arrays)
+
+    def spy_launch(*args):
+        launching.append(True)
+        try:
+            return launch(*args)
+        finally:
+            launching.pop()
 
     def spy_prepare(*args):
         out = prepare(*args)
@@ -69,6 +78,7 @@ def _spy_on_counts(monkeypatch, rt):
 
     monkeypatch.setattr(runtime.mx, "async_eval", async_eval)
     monkeypatch.setattr(rt, "prepare", spy_prepare)
+    monkeypatch.setattr(rt, "_launch", spy_launch)
     return seen
 
 

@@ -1,0 +1,78 @@
+"""The trunk pass run as a chain of per-layer graphs (mtplx.compiled.StagedPass)."""
+
+import mlx.core as mx
+import pytest
+
+import mtplx
+import mtplx.compiled as compiled
+from mtplx.cache import SlotGDNCache, SlotKVCache, make_slot_caches
+from mtplx.compiled import SlotPass, StagedPass
+from mtplx.testing import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    # qwen3_5 mixes gated-delta and attention layers, so stages hold both kinds.
+    return mtplx.load(tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("ckpt"), vocab_size=64))
+
+
+def _prefilled(model, B=3, L=20):
+    caches = make_slot_caches(model.layer_kinds, B)
+    prompts = mx.array([[(7 * b + 3 * i) % 60 + 1 for i in range(L)] for b in range(B)])  # [B, L]
+    model.forward(prompts, caches)
+    mx.eval([a for c in caches for a in c.arrays])
+    return caches
+
+
+def _state(caches) -> list:
+    out = []
+    for c in caches:
+        out += list(c.arrays)
+        if isinstance(c, SlotGDNCache) and c.pending is not None:
+            out += [c.pending[0], *c.pending[1]]
+    return out
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("layers_per_stage", [1, 2])
+def test_a_staged_pass_leaves_the_logits_caches_and_pending_states_of_the_one_graph_pass(model, T, layers_per_stage):
+    tokens = mx.array([[5, 9, 11][:T]] * 3)  # [3, T]
+    one, staged = _prefilled(model), _prefilled(model)
+    want = SlotPass(model.forward, keep_pending=True)((tokens,), one, T=T)
+    run = StagedPass(model, keep_pending=True, layers_per_stage=layers_per_stage)
+    assert len(run.stages) == -(-len(model.layer_kinds) // layers_per_stage) > 1
+    got = run((tokens,), staged, T=T)
+    for w, g in zip([*want, *_state(one)], [*got, *_state(staged)], strict=True):
+        assert w.shape == g.shape and mx.allclose(w, g, rtol=0, atol=1e-6).item()
+    for a, b in zip(one, staged):
+        if isinstance(a, SlotKVCache):
+            assert a.host_max == b.host_max
+
+
+def test_each_stage_is_started_before_the_next_is_built(model, monkeypatch):
+    """The point of staging: the host builds stage i+1 while stage i runs."""
+    events = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(compiled.mx, "async_eval", lambda *a: (events.append("start"), real_async_eval(*a))[1])
+    run = StagedPass(model, keep_pending=False, layers_per_stage=1)
+
+    def recording(i, stage):
+        def call(inputs, caches, T):
+            events.append(f"build {i}")
+            return stage(inputs, caches, T)
+        return call
+
+    run.stages = [(layers, recording(i, stage)) for i, (layers, stage) in enumerate(run.stages)]
+    logits, _ = run((mx.array([[5]] * 3),), _prefilled(model), T=1)
+    mx.eval(logits)
+    n = len(model.layer_kinds)
+    assert events == [e for i in range(n) for e in (f"build {i}", "start")][:-1]
+
+
+def test_the_runtime_stages_its_trunk_pass_a_layer_at_a_time_on_the_cpu(model):
+    from mtplx.mtp_patch import MTPContract
+    from mtplx.runtime import MTPLXRuntime
+
+    rt = MTPLXRuntime(model, MTPContract(depth=1), max_batch=2)
+    assert mx.default_device() == mx.cpu
+    assert [s.stop - s.start for s, _ in rt._verify.stages] == [compiled.CPU_LAYERS_PER_STAGE] * len(model.layer_kinds)
