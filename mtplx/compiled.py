@@ -90,8 +90,8 @@ class StagedPass:
     def __init__(self, model, keep_pending: bool, compiled: bool = True, layers_per_stage: int = 0):
         self.compiled = compiled
         n = len(model.layer_kinds)
-        step = layers_per_stage if layers_per_stage > 0 else n
-        bounds = list(range(0, n, step)) + [n]
+        per_stage = layers_per_stage if layers_per_stage > 0 else n
+        bounds = list(range(0, n, per_stage)) + [n]
         self.stages = [
             (slice(a, b), SlotPass(_stage(model, a, b, first=a == 0, last=b == n), keep_pending, compiled))
             for a, b in zip(bounds[:-1], bounds[1:])
