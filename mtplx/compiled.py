@@ -106,9 +106,9 @@ class StagedPass:
         return run(inputs, caches[layers], T)
 
 
-# Layers per stage of a decode pass on the CPU. On a GPU the host queues a
-# whole forward ahead without waiting, so there it stays one graph (and one
-# command buffer): unmeasured there.
+# Layers per stage of a decode pass on the CPU. On a GPU the queue limit
+# counts command buffers of many ops each, so the host queues much further
+# ahead and the pass stays one graph (unmeasured there).
 CPU_LAYERS_PER_STAGE = 1
 
 
