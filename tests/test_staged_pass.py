@@ -73,6 +73,7 @@ def test_the_runtime_stages_its_trunk_pass_a_layer_at_a_time_on_the_cpu(model):
     from mtplx.mtp_patch import MTPContract
     from mtplx.runtime import MTPLXRuntime
 
+    if mx.default_device() != mx.cpu:
+        pytest.skip("on a GPU the pass stays one graph")
     rt = MTPLXRuntime(model, MTPContract(depth=1), max_batch=2)
-    assert mx.default_device() == mx.cpu
     assert [s.stop - s.start for s, _ in rt._verify.stages] == [compiled.CPU_LAYERS_PER_STAGE] * len(model.layer_kinds)
