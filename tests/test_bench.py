@@ -427,6 +427,35 @@ def test_interleaved_times_run_lead_calls_of_a_pass_untimed_before_its_burst(mon
     assert costs.LEAD >= 1  # the bare-cost sampler times every pass warm
 
 
+
+def test_interleaved_times_hold_no_output_of_a_call_over_the_next():
+    """A trunk pass returns the caches it wrote; a reference to them held over
+    the next call would make MLX copy every cache whole at that call's write
+    (the runtime's cycles update them in place), so the bare costs would
+    price a copy the runtime never pays."""
+    import gc
+    import weakref
+
+    from mtplx import costs
+    import mlx.core as mx
+
+    class Outputs(list):  # a list that a weak reference can follow
+        pass
+
+    previous, alive_at_call = [None], []
+
+    def run():
+        gc.collect()
+        alive_at_call.append(previous[0] is not None and previous[0]() is not None)
+        out = Outputs([mx.zeros((2,))])
+        previous[0] = weakref.ref(out)
+        return out
+
+    costs.interleaved_times({"pass": run}, repeats=2, burst=3, warmups=1, lead=1)
+    assert len(alive_at_call) == 1 + 2 * (1 + 3)
+    assert not any(alive_at_call)
+
+
 # ------------------------------------------------------------ a real tiny run
 
 MTPLX_KEYS = {
