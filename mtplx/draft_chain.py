@@ -13,10 +13,12 @@ call.
 The catch-up's entries are kept: the head caches come back with them, each
 row's length advanced by the pairs it keeps. The entries the chain writes,
 from the head's own hidden states, are rolled back at the end of every cycle
-anyway (DESIGN "One decode cycle", step 1). So the chain writes them into
-copies of the cache arrays that nothing hands back: the positions past each
-row's length stay masked until the next catch-up overwrites them, and a
-non-finite draft hidden never lands in a cache.
+(DESIGN "One decode cycle", step 1): they land past each row's new length,
+where they stay masked until the next catch-up (k+1 pairs wide, wider than
+the k-1 entries the chain writes) overwrites them, and a non-finite one is
+stored as 0 (`cache.SlotKVCache.update_and_fetch`). So the chain writes into
+the arrays the caches come back with, not into copies of them: each copy was
+a whole head cache (batch x capacity) per chain step.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class DraftChain:
                 if j == 0:
                     logits, hidden = lg[:, 0], out[:, 0]  # [B, V], [B, H]
                 written += [cache.keys, cache.values, arrays[3 * j + 2] + keep]
-            # Step 1: the chain, on caches over the written arrays (its writes make new arrays).
+            # Step 1: the chain, on caches over the written arrays.
             chain = shadow_caches((SlotKVCache,) * n, written, T=1, span=S)
             drafts, qs = [], []
             for i in range(1, k + 1):
@@ -124,7 +126,9 @@ class DraftChain:
                     lg, out = head(hidden[:, None], d_i, cache=_only(cache, j, n), depth=j + 1)  # [B, 1, V], [B, 1, H]
                     logits, hidden = lg[:, 0], out[:, 0]
             d = mx.concatenate(drafts, axis=1)  # [B, k]
-            return ([d] if greedy else [d, mx.concatenate(qs, axis=1)]) + written  # [B, k], [B, k, V]
+            # The chain's writes stay in the arrays; the lengths are the catch-up's.
+            kept = [a for j, c in enumerate(chain) for a in (c.keys, c.values, written[3 * j + 2])]
+            return ([d] if greedy else [d, mx.concatenate(qs, axis=1)]) + kept  # [B, k], [B, k, V]
 
         return run
 

@@ -126,3 +126,36 @@ def test_draft_chain_catches_the_head_up_then_drafts_what_the_head_fed_its_own_o
         for b, n in enumerate(c.lengths.tolist()):
             np.testing.assert_allclose(np.array(c.keys[b, :, :n]), np.array(ref.keys[b, :, :n]), atol=1e-5)
             np.testing.assert_allclose(np.array(c.values[b, :, :n]), np.array(ref.values[b, :, :n]), atol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_draft_chain_writes_the_head_caches_in_place_without_copying_them(model, compiled):
+    """The chain's entries (rolled back every cycle) go into the arrays the
+    caches come back with: a copy per chain step would cost a whole head
+    cache (batch x capacity) each time."""
+    rng = np.random.default_rng(2)
+    caches = head_caches(model, [5, 9, 2])
+    for c in caches:
+        c.reserve(1 << 15)  # a capacity far above what the chain reads
+    mx.eval([a for c in caches for a in c.arrays])
+    one_cache = caches[0].keys.nbytes + caches[0].values.nbytes
+    T, k = 3, 4
+    pending = HeadPending(
+        hidden=mx.array(rng.normal(size=(B, T, hidden_size(model))).astype(np.float32)),
+        tokens=mx.array(rng.integers(0, VOCAB, size=(B, T)), dtype=mx.int32),
+        take=mx.array([2, 0, 1], dtype=mx.int32),
+        keep=mx.array([3, 1, 2], dtype=mx.int32),
+    )
+    sampling = batch_sampling([SamplingParams()] * B)
+    chain = DraftChain(model.head, model.num_head_layers, "residual", compiled=compiled)
+    grown = []
+    for _ in range(2):  # the first call also traces
+        mx.synchronize()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        drafts, _ = chain(pending, None, sampling, caches, k, span=9)
+        mx.eval(drafts, [a for c in caches for a in c.arrays])
+        grown.append(mx.get_peak_memory() - before)
+        for c in caches:  # back to the warm lengths: both calls write the same positions
+            c.lengths, c.host_max = mx.array([5, 9, 2], dtype=mx.int32), 9
+    assert grown[-1] < one_cache / 4, (grown, one_cache)
