@@ -368,6 +368,18 @@ def test_rounds_run_the_baseline_then_every_depth_in_a_changing_order_then_bare_
     assert d1["measured_speedup"] == pytest.approx(statistics.median([100 / 60, 130 / 12]))
 
 
+def test_bare_costs_are_timed_at_the_longest_row_of_each_batch_not_at_the_rows_mean():
+    """A batched pass reads every row up to the longest one, so each group of
+    batch_size prompts (in the order they fill the slots) counts at its
+    longest prompt, plus half the new tokens."""
+    runs = [[[1] * 10, [1] * 30, [1] * 20, [1] * 40], [[1] * 50, [1] * 10, [1] * 10, [1] * 10]]
+    assert bench.decode_context(runs, 1, 64) == round(statistics.mean([10, 30, 20, 40, 50, 10, 10, 10]) + 32)
+    assert bench.decode_context(runs, 2, 64) == round(statistics.mean([30, 40, 50, 10]) + 32)
+    assert bench.decode_context(runs, 4, 10) == round(statistics.mean([40, 50]) + 5)
+    # a run shorter than the batch is one group
+    assert bench.decode_context([[[1] * 7, [1] * 9]], 16, 2) == 9 + 1
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
 def test_balanced_orders_put_every_engine_at_every_place_and_after_every_other_equally_often(n):
     orders = bench.balanced_orders(n)
