@@ -93,9 +93,17 @@ QUICK = dict(
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
 SHORT_RUN_PROMPTS = 8  # runs of fewer prompts get proportionally more rounds (BenchPlan.rounds)
 
-# Bare-cost rounds before a batch size's runs; one more follows each round of
-# runs (21 in all at 5 rounds per temperature, as many as one go took before).
-BARE_COST_ROUNDS_FIRST = 11
+# Bare-cost rounds before a batch size's runs, and after each round of runs
+# (54 in all at 5 rounds per temperature). The predictions rest on the
+# verify/step ratios, and this 2-core VM's slow spells (a step at batch 4
+# timing 3.4 ms, then 7.9 ms a few rounds on) pull a round's ratios towards 1:
+# in one process, medians of 21 consecutive rounds at batch 4 ranged over
+# 1.33-1.43 for verify k=1 over the step and 1.97-2.27 for k=3 (1.394 and
+# 2.142 over all 120 rounds), and in two `make bench` runs of 21 rounds
+# (11 first, 1 after each round) they came out at 1.24 and 1.88, which put
+# batch 4's predictions 10% high. A round at batch 4 takes ~0.1 s, at 16 ~0.3 s.
+BARE_COST_ROUNDS_FIRST = 24
+BARE_COST_ROUNDS_BETWEEN = 3
 REPO_PROMPTS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "prompts.parquet"
 
 # Used when jobs/data/prompts.parquet is absent (an installed wheel) or pyarrow is.
@@ -288,8 +296,8 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     bare.sample(BARE_COST_ROUNDS_FIRST)
     # Built once per batch size: "auto" calibrates (times its own cycles) when built.
     runtimes = {d: MTPLXRuntime(model, MTPContract(depth=d), max_batch=B) for d in plan.depths}
-    rounds = {t: run_rounds(reference, runtimes, batches, B, t, plan, between_rounds=lambda: bare.sample(1))
-              for t in plan.temperatures}
+    between = partial(bare.sample, BARE_COST_ROUNDS_BETWEEN)
+    rounds = {t: run_rounds(reference, runtimes, batches, B, t, plan, between_rounds=between) for t in plan.temperatures}
     costs = bare.costs()  # over every round of this batch size, so the runs' slow spells too
     records = []
     for t, (base_runs, pairs) in rounds.items():
