@@ -101,7 +101,7 @@ SHORT_RUN_PROMPTS = 8  # runs of fewer prompts get proportionally more rounds (B
 # 1.33-1.43 for verify k=1 over the step and 1.97-2.27 for k=3 (1.394 and
 # 2.142 over all 120 rounds), and in two `make bench` runs of 21 rounds
 # (11 first, 1 after each round) they came out at 1.24 and 1.88, which put
-# batch 4's predictions 10% high. A round at batch 4 takes ~0.1 s, at 16 ~0.3 s.
+# batch 4's predictions ~11% high. A round at batch 4 takes ~0.1 s, at 16 ~0.3 s.
 BARE_COST_ROUNDS_FIRST = 24
 BARE_COST_ROUNDS_BETWEEN = 3
 REPO_PROMPTS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "prompts.parquet"
