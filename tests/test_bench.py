@@ -439,7 +439,6 @@ def test_interleaved_times_run_lead_calls_of_a_pass_untimed_before_its_burst(mon
     assert costs.LEAD >= 1  # the bare-cost sampler times every pass warm
 
 
-
 def test_interleaved_times_hold_no_output_of_a_call_over_the_next():
     """A trunk pass returns the caches it wrote; a reference to them held over
     the next call would make MLX copy every cache whole at that call's write

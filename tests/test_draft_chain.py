@@ -49,6 +49,17 @@ def head_caches(model, lengths, seed=0):
     return caches
 
 
+def pending_pairs(model, rng, T: int) -> HeadPending:
+    """T random pending pairs per row; rows keep 3, 1 and 2 of them and take
+    the head's output at pair 2, 0 and 1."""
+    return HeadPending(
+        hidden=mx.array(rng.normal(size=(B, T, hidden_size(model))).astype(np.float32)),
+        tokens=mx.array(rng.integers(0, VOCAB, size=(B, T)), dtype=mx.int32),
+        take=mx.array([2, 0, 1], dtype=mx.int32),
+        keep=mx.array([3, 1, 2], dtype=mx.int32),
+    )
+
+
 def copy_of(c: SlotKVCache) -> SlotKVCache:
     out = SlotKVCache(c.batch_size)
     out.keys, out.values, out.lengths, out.host_max = c.keys, c.values, c.lengths, c.host_max
@@ -100,12 +111,7 @@ def test_draft_chain_catches_the_head_up_then_drafts_what_the_head_fed_its_own_o
     rng = np.random.default_rng(1)
     caches = head_caches(model, [5, 9, 2])
     T = 3
-    pending = HeadPending(
-        hidden=mx.array(rng.normal(size=(B, T, hidden_size(model))).astype(np.float32)),
-        tokens=mx.array(rng.integers(0, VOCAB, size=(B, T)), dtype=mx.int32),
-        take=mx.array([2, 0, 1], dtype=mx.int32),
-        keep=mx.array([3, 1, 2], dtype=mx.int32),
-    )
+    pending = pending_pairs(model, rng, T)
     sampling = batch_sampling([SamplingParams(temperature=temperature, top_k=0 if i else 7) for i in range(B)])
     k = 4
     keys = mx.array(rng.integers(0, 2**32, size=(B, k + 1, 2), dtype=np.uint32))
@@ -140,12 +146,7 @@ def test_draft_chain_writes_the_head_caches_in_place_without_copying_them(model,
     mx.eval([a for c in caches for a in c.arrays])
     one_cache = caches[0].keys.nbytes + caches[0].values.nbytes
     T, k = 3, 4
-    pending = HeadPending(
-        hidden=mx.array(rng.normal(size=(B, T, hidden_size(model))).astype(np.float32)),
-        tokens=mx.array(rng.integers(0, VOCAB, size=(B, T)), dtype=mx.int32),
-        take=mx.array([2, 0, 1], dtype=mx.int32),
-        keep=mx.array([3, 1, 2], dtype=mx.int32),
-    )
+    pending = pending_pairs(model, rng, T)
     sampling = batch_sampling([SamplingParams()] * B)
     chain = DraftChain(model.head, model.num_head_layers, "residual", compiled=compiled)
     grown = []
