@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .gemm_layout import token_rows
+
 _LOG2E = 1.4426950408889634
 # ln 2 in two parts (Cody-Waite): n * _LN2_HI is exact for |n| < 2^15, so
 # the reduction loses no bits for large |x|.
@@ -174,8 +176,10 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     if hasattr(cache, "bits"):  # a quantized KV cache: mlx-lm's own attention
         return type(self).__bases__[0].__call__(self, x, mask, cache)
     B, L, D = x.shape
+    prompt = _prompt_pass(x)
+    x = token_rows(x)  # [B*L, D]: the projections' GEMMs without a Flatten and Unflatten each
     queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
-    gate = gate.reshape(B, L, -1)
+    gate = gate.reshape(B * L, -1)
     keys, values = self.k_proj(x), self.v_proj(x)
     queries = self.q_norm(queries).transpose(0, 2, 1, 3)
     keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
@@ -185,14 +189,14 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
         keys, values = cache.update_and_fetch(keys, values)
     else:
         queries, keys = _rope_together(self.rope, queries, keys)
-    if _prompt_pass(x):
+    if prompt:
         output = fast_attention(queries, keys, values, self.scale, mask)
         gate = _fast_sigmoid(gate)
     else:
         output = fast_attention(queries, keys, values, self.scale, mask, step=True)
         gate = step_sigmoid(gate)
-    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    return self.o_proj(output * gate)
+    output = output.transpose(0, 2, 1, 3).reshape(B * L, -1)
+    return self.o_proj(output * gate).reshape(B, L, -1)
 
 
 def _rope_together(rope, queries: mx.array, keys: mx.array, **offset):
@@ -214,9 +218,12 @@ def _gated_norm_call(self, hidden_states: mx.array, gate=None) -> mx.array:
 
 
 def _swiglu_mlp_call(self, x: mx.array) -> mx.array:
-    # The same as each of _swiglu_mlps' own __call__, with the faster exps.
+    # The same as each of _swiglu_mlps' own __call__, with the faster exps,
+    # over the tokens as rows of one matrix (`token_rows`).
     act = fast_swiglu if _prompt_pass(x) else step_swiglu
-    return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
+    rows = token_rows(x)  # [N, H]
+    out = self.down_proj(act(self.gate_proj(rows), self.up_proj(rows)))  # [N, H]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _swiglu_mlps() -> tuple:

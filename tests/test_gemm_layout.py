@@ -118,3 +118,19 @@ def test_a_relaid_linear_multiplies_by_its_in_out_array_and_honours_a_replaced_w
         assert mx.abs(got - want).max().item() < 1e-5
         layer.load_weights([("weight", mx.zeros((40, 48)))], strict=False)  # a weight set later is the one used
         assert mx.array_equal(layer(x), mx.broadcast_to(layer.bias if bias else mx.zeros((40,)), (2, 3, 40))).item()
+
+
+@pytest.mark.parametrize("T", [1, 4, 20])  # a step, a verify, a prompt chunk (the fast-exp forms)
+def test_projections_over_token_rows_give_the_batched_matmuls_values_bit_for_bit(model, monkeypatch, T):
+    from mtplx import cpu_activations
+    from mtplx.families import qwen
+
+    rng = np.random.default_rng(4)
+    prompts = rng.integers(1, 500, (3, 12)).tolist()
+    tokens = rng.integers(1, 500, (3, T)).tolist()
+    rows = _decode_logits(model, prompts, tokens, T)
+    for module in (cpu_activations, qwen):  # every projection over the [B, T, D] input itself
+        monkeypatch.setattr(module, "token_rows", lambda x: x)
+    batched = _decode_logits(model, prompts, tokens, T)
+    assert rows.shape == batched.shape == (3, T, model.vocab_size)
+    assert mx.array_equal(rows, batched).item()

@@ -25,6 +25,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..cache import SlotGDNCache
+from ..gemm_layout import token_rows
 from ..gated_delta_chunked import chunked_gated_delta, log_gate
 from ..mtp_patch import CheckpointError, FamilyAdapter, register
 from .common import bind_shared, decoder_block, load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
@@ -172,8 +173,10 @@ def _project(gdn, x):
         q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
         mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
         return mixed, z, b, a
-    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
-    return gdn.in_proj_qkv(x), z, gdn.in_proj_b(x), gdn.in_proj_a(x)
+    rows = token_rows(x)  # [B*S, D]: four GEMMs without a Flatten and Unflatten each
+    z = gdn.in_proj_z(rows).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    mixed, b, a = (proj(rows).reshape(B, S, -1) for proj in (gdn.in_proj_qkv, gdn.in_proj_b, gdn.in_proj_a))
+    return mixed, z, b, a
 
 
 def _depthwise_conv(x, weight, S: int):
@@ -244,7 +247,7 @@ def gated_delta_verify(gdn, x, cache: SlotGDNCache):
     cache.conv = conv_input[:, -(K - 1):]
     cache.state = state
     out = gdn.norm(out, z)  # [B, S, Hv, Dv]
-    return gdn.out_proj(out.reshape(B, S, -1))
+    return gdn.out_proj(out.reshape(B * S, -1)).reshape(B, S, -1)
 
 
 def _recurrence(gdn, q, k, v, a, b, state):
@@ -329,7 +332,7 @@ def gated_delta_prefill(gdn, x, mask, cache):
     out, cache[1] = chunked_gated_delta(q, k, v, log_g, beta, PREFILL_CHUNK, cache[1])
     cache.advance(S)
     out = gdn.norm(out, z)  # [B, S, Hv, Dv]
-    return gdn.out_proj(out.reshape(B, S, -1))
+    return gdn.out_proj(out.reshape(B * S, -1)).reshape(B, S, -1)
 
 
 def _run_layer(layer, x, mask, cache):
