@@ -57,6 +57,9 @@ def _run_options(f):
     f = click.option("--dry-run", is_flag=True, help="Validate the spec and input, count rows and prompt tokens, "
                                                      "report row errors already visible and the planned output; "
                                                      "the weights are not loaded and nothing is written.")(f)
+    f = click.option("--retry-errors", is_flag=True,
+                     help="Resume, and run again the rows a previous run wrote with an error (they are taken out "
+                          "of their part files first). Default: a resumed job keeps them as they are.")(f)
     f = click.option("--overwrite", is_flag=True, help="Remove a previous run's parts, manifest and summary in the "
                                                        "output directory and start over (default: resume).")(f)
     return f
@@ -126,7 +129,8 @@ def cli():
               help="Ray actors (model copies), instead of the spec's [ray] actors [default: one per node "
                    "advertising the mlx resource, else one per node]; with --engine ray.")
 @_run_options
-def run_cmd(job, model, output, engine, address, actors, overwrite, dry_run, quiet, logprobs, max_memory):
+def run_cmd(job, model, output, engine, address, actors, overwrite, retry_errors, dry_run, quiet, logprobs,
+            max_memory):
     """Run the job spec JOB (TOML).
 
     Rows are written to part-NNNNN.parquet files in the spec's [output] path,
@@ -139,13 +143,14 @@ def run_cmd(job, model, output, engine, address, actors, overwrite, dry_run, qui
 
     from .spec import load_spec
 
+    _check_resume_flags(overwrite, retry_errors)
     spec = load_spec(job)
     if model:
         spec = replace(spec, model=replace(spec.model, path=str(Path(model).expanduser())))
     if output:
         spec = replace(spec, output=replace(spec.output, path=str(Path(output).expanduser())))
     spec = _with_engine(spec, engine, address, actors)
-    _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
+    _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory)
 
 
 def _with_engine(spec, engine, address, actors):
@@ -194,11 +199,12 @@ def _with_engine(spec, engine, address, actors):
 @_run_options
 def generate_cmd(input_path, output_path, model, prompt_column, messages_column, id_column, keep_columns, depth,
                  batch_size, max_tokens, n, temperature, top_p, top_k, min_p, seed, stop, flush_rows,
-                 overwrite, dry_run, quiet, logprobs, max_memory):
+                 overwrite, retry_errors, dry_run, quiet, logprobs, max_memory):
     """Complete every prompt of a Parquet input: a job from flags, run by the
     same engine as `mtplx run` (same output, resume and exit codes)."""
     from .spec import spec_from_dict
 
+    _check_resume_flags(overwrite, retry_errors)
     doc = {
         "name": "generate",
         "model": {"depth": depth, **({"path": model} if model else {})},
@@ -216,7 +222,7 @@ def generate_cmd(input_path, output_path, model, prompt_column, messages_column,
         doc["input"]["id_column"] = id_column
     spec = spec_from_dict(doc)
     try:
-        _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory)
+        _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory)
     except JobError as e:
         if defaulted and id_column and str(e).startswith(f"id column {id_column!r}") and "--id-column" not in str(e):
             raise JobError(f"{e} (the input's {id_column!r} column was taken as the row ids; "
@@ -245,10 +251,15 @@ def inspect_cmd(out, as_json):
     click.echo(json.dumps(s, indent=2) if as_json else format_summary(s))
 
 
-def _execute(spec, overwrite, dry_run, quiet, logprobs, max_memory):
+def _check_resume_flags(overwrite: bool, retry_errors: bool) -> None:
+    if overwrite and retry_errors:
+        raise JobError("--overwrite and --retry-errors do not go together: --overwrite starts over and runs every row")
+
+
+def _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory):
     from .runner import RunOptions, run_job
 
-    opts = RunOptions(overwrite=overwrite, dry_run=dry_run, quiet=quiet, logprobs=logprobs, max_memory=max_memory)
+    opts = RunOptions(overwrite=overwrite, retry_errors=retry_errors, dry_run=dry_run, quiet=quiet, logprobs=logprobs, max_memory=max_memory)
     log = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     result = run_job(spec, opts, log=log)
     if dry_run or not quiet:

@@ -21,10 +21,11 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import JobError
@@ -89,6 +90,13 @@ class OutputState:
     next_shard: int = 0  # the first shard number no part file uses
     overwrite: bool = False  # what a previous run wrote goes when this run starts writing
     recorded: dict = field(default_factory=dict)  # the manifest a previous run wrote
+    # --retry-errors: part -> its rows with an error, left out of `done` and
+    # `rows_done`; `start_output` removes them from their parts.
+    error_rows: Dict[Path, int] = field(default_factory=dict)
+
+    @property
+    def errors_to_retry(self) -> int:
+        return sum(self.error_rows.values())
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -174,10 +182,11 @@ def _in_use(out: Path, fd: int) -> str:
     return f"output directory {out} is in use by another run{pid}; wait for it to end or pick another directory"
 
 
-def open_output(out: Path, plan: Plan, manifest: dict, *, overwrite: bool) -> OutputState:
+def open_output(out: Path, plan: Plan, manifest: dict, *, overwrite: bool, retry_errors: bool = False) -> OutputState:
     """What `out` holds, checked against this job. Writes nothing: a job that
     fails a later check (the model, the memory cap) leaves a previous run's
-    output as it was, --overwrite included. `start_output` writes."""
+    output as it was, --overwrite included. `start_output` writes.
+    retry_errors: rows written with an error count as not done."""
     check_writable(out)
     if overwrite:
         return OutputState(out, KeySet(), 0, 0, existed=False, overwrite=True)
@@ -187,7 +196,17 @@ def open_output(out: Path, plan: Plan, manifest: dict, *, overwrite: bool) -> Ou
         recorded = _check_manifest(out, manifest)
     elif part_files(out):
         raise JobError(f"{out} holds part files but no {MANIFEST}; pass --overwrite to start over, or pick another directory")
-    return replace(_scan_parts(out, plan, existed), recorded=recorded)
+    return replace(_scan_parts(out, plan, existed, retry_errors), recorded=recorded)
+
+
+def resume_note(state: OutputState) -> str:
+    """The log line on what this run starts from."""
+    if not state.rows_done and not state.errors_to_retry:
+        return f"writing to {state.path}"
+    note = f"resuming: {state.rows_done} rows already in {state.path}"
+    if state.errors_to_retry:
+        note += f"; {state.errors_to_retry} rows written with an error run again (--retry-errors)"
+    return note
 
 
 def start_output(state: OutputState, manifest: dict) -> None:
@@ -200,10 +219,30 @@ def start_output(state: OutputState, manifest: dict) -> None:
         if state.overwrite:
             clear_output(out)
         _remove_temp_files(out)
+        for part in state.error_rows:
+            drop_error_rows(part)
         if not state.existed:
             write_json_atomic(out / MANIFEST, manifest)
     except OSError as e:
         raise JobError(f"cannot write to output directory {out}: {e.strerror or e}") from None
+
+
+def drop_error_rows(part: Path) -> None:
+    """Rewrite `part` without its rows that have an error (--retry-errors),
+    or remove it if nothing else is left. The new part replaces the old one
+    in one rename: killed at any moment, the directory holds one or the
+    other, and each row at most once; a row gone is one the run writes again."""
+    table = pq.read_table(part)
+    kept = table.filter(pc.is_null(table.column("error")))
+    if kept.num_rows == 0:
+        part.unlink()
+    else:
+        tmp = part.with_name(part.name + TEMP_SUFFIX)
+        pq.write_table(kept, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, part)
+    fsync_dir(part.parent)
 
 
 def clear_output(out: Path) -> None:
@@ -251,9 +290,10 @@ def changed_parts(old: dict, new: dict) -> str:
     return ", ".join(names) or "the spec"
 
 
-def _scan_parts(out: Path, plan: Plan, existed: bool) -> OutputState:
+def _scan_parts(out: Path, plan: Plan, existed: bool, retry_errors: bool = False) -> OutputState:
     parts = part_files(out)
-    done, rows = scan_keys(parts, plan)
+    error_rows = error_rows_by_part(parts) if retry_errors else {}
+    done, rows = scan_keys(parts, plan, skip_errors=bool(error_rows))
     twice = int(np.count_nonzero(done.keys[1:] == done.keys[:-1]))
     if twice:  # resuming would keep them: every input row must appear once
         raise JobError(
@@ -263,14 +303,28 @@ def _scan_parts(out: Path, plan: Plan, existed: bool) -> OutputState:
     orders = [_part_order(p) for p in parts]
     next_part = 1 + max((n for kind, n, _ in orders if kind == 0), default=-1)
     next_shard = 1 + max((s for kind, s, _ in orders if kind == 1), default=-1)
-    return OutputState(out, done, rows, next_part, existed, next_shard)
+    return OutputState(out, done, rows, next_part, existed, next_shard, error_rows=error_rows)
 
 
-def scan_keys(parts: List[Path], plan: Plan):
-    """(KeySet of the rows the parts hold, their row count)."""
+def error_rows_by_part(parts: List[Path]) -> Dict[Path, int]:
+    """The parts that hold rows with an error, and how many each holds."""
+    out = {}
+    for p in parts:
+        errors = _read_columns(p, ["error"]).column("error")
+        n = len(errors) - errors.null_count
+        if n:
+            out[p] = n
+    return out
+
+
+def scan_keys(parts: List[Path], plan: Plan, skip_errors: bool = False):
+    """(KeySet of the rows the parts hold, their row count); with skip_errors,
+    of their rows without an error."""
     chunks, rows = [], 0
     for p in parts:
-        table = _read_keys(p, plan)
+        table = _read_columns(p, list(plan.key_columns) + (["error"] if skip_errors else []))
+        if skip_errors:
+            table = table.filter(pc.is_null(table.column("error")))
         ids = table.column(plan.key_column).combine_chunks()
         hashes = id_hashes(ids)
         t = _column_or_zero(table, "template_index")
@@ -280,9 +334,9 @@ def scan_keys(parts: List[Path], plan: Plan):
     return KeySet(chunks), rows
 
 
-def _read_keys(p: Path, plan: Plan) -> pa.Table:
+def _read_columns(p: Path, columns: List[str]) -> pa.Table:
     try:
-        return pq.read_table(p, columns=list(plan.key_columns))
+        return pq.read_table(p, columns=columns)
     except (OSError, pa.ArrowException, ValueError, KeyError) as e:
         raise JobError(f"cannot read output part {p}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 

@@ -25,7 +25,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from .engine import load_tokenizer
 from .errors import JobError
-from .outdir import AUTO_SAMPLED_DEPTH, OutputState, part_files, start_output
+from .outdir import AUTO_SAMPLED_DEPTH, OutputState, part_files, resume_note, start_output
 from .progress import Progress
 from .prompts import PromptEncoder
 from .reader import PromptRow, read_rows
@@ -124,8 +124,7 @@ def run_on_ray(job, opts, state: OutputState, started: float, log):
             manifest = {**manifest, AUTO_SAMPLED_DEPTH: ready[0]["sampled_depth"]}
         start_output(state, manifest)  # the actors loaded the model: now --overwrite may remove
         if not opts.quiet:
-            note = f"resuming: {state.rows_done} rows already in {out}" if state.rows_done else f"writing to {out}"
-            log(f"{spec.name}: {note}; on Ray with {len(workers)} actors")
+            log(f"{spec.name}: {resume_note(state)}; on Ray with {len(workers)} actors")
         t0 = time.monotonic()
         progress = Progress(max(todo, 0), opts.quiet)
         tally = _RunTally(progress)

@@ -16,8 +16,8 @@ from .engine import (ModelRef, OpenEngine, check_memory_cap, load_tokenizer, max
 from .errors import EXIT_OK, EXIT_ROW_ERRORS, JobError
 from .ids import KeySet, check_ids
 from .inputs import InputSource, open_input
-from .outdir import (AUTO_SAMPLED_DEPTH, SUMMARY, OutputState, open_output, output_in_use, output_lock, start_output,
-                     write_json_atomic)
+from .outdir import (AUTO_SAMPLED_DEPTH, SUMMARY, OutputState, open_output, output_in_use, output_lock, resume_note,
+                     start_output, write_json_atomic)
 from .packer import length_ordered, requests
 from .plan import Plan, make_plan
 from .progress import Progress
@@ -36,6 +36,7 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class RunOptions:
     overwrite: bool = False
+    retry_errors: bool = False  # rows a previous run wrote with an error are run again
     dry_run: bool = False
     quiet: bool = False
     logprobs: bool = False  # on top of [generation] logprobs
@@ -94,7 +95,7 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
         return dry_run(job, opts)
     out = Path(job.spec.output.path)
     with output_lock(out):
-        state = open_output(out, job.plan, job.manifest, overwrite=opts.overwrite)
+        state = open_output(out, job.plan, job.manifest, overwrite=opts.overwrite, retry_errors=opts.retry_errors)
         if job.spec.engine == "ray":
             from .ray_engine import run_on_ray
 
@@ -121,8 +122,7 @@ def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_fact
     if not opts.quiet:
         if auto:
             log(f"{job.spec.name}: depth auto: {engine.stats.get('auto_depth', {}).get('policy', 'no plan recorded')}")
-        note = f"resuming: {state.rows_done} rows already in {out}" if state.rows_done else f"writing to {out}"
-        log(f"{job.spec.name}: {note}")
+        log(f"{job.spec.name}: {resume_note(state)}")
     t0 = time.monotonic()
     progress = Progress(max(todo, 0), opts.quiet or todo <= 0)  # no bar over nothing to do (a finished job resumed)
     stopper = Stopper()
@@ -249,7 +249,7 @@ def dry_run(job: Prepared, opts: RunOptions) -> RunResult:
     in_use = output_in_use(out)
     if in_use:
         raise JobError(in_use)
-    state = open_output(out, plan, job.manifest, overwrite=opts.overwrite)
+    state = open_output(out, plan, job.manifest, overwrite=opts.overwrite, retry_errors=opts.retry_errors)
     if spec.batch.max_memory is not None:
         check_memory_cap(job.ref, spec)
     tokenizer = load_tokenizer(job.ref)
@@ -297,5 +297,6 @@ def _output_state(state: OutputState, opts: RunOptions) -> str:
     if opts.overwrite:
         return "--overwrite: previous output would be removed"
     if state.existed:
-        return f"resume: {state.rows_done} rows in {state.next_part} part numbers used"
+        retry = f", {state.errors_to_retry} rows with an error to run again" if state.errors_to_retry else ""
+        return f"resume: {state.rows_done} rows in {state.next_part} part numbers used{retry}"
     return "new"

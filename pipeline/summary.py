@@ -30,6 +30,7 @@ class Totals:
     rows: int = 0
     errors: int = 0
     prompt_tokens: int = 0
+    undecoded_prompt_tokens: int = 0  # of rows with an error and no decode step (an over-long prompt, ...)
     completion_tokens: int = 0
     decode_steps: int = 0
     cycle_tokens: float = 0.0  # tokens emitted by verify cycles
@@ -47,6 +48,9 @@ class Totals:
         self.prompt_tokens += _sum(t.column("prompt_tokens"))
         self.completion_tokens += _sum(t.column("completion_tokens"))
         steps = t.column("decode_steps").to_numpy(zero_copy_only=False).astype(np.float64)
+        failed = t.column("error").is_valid().to_numpy(zero_copy_only=False)
+        prompts = t.column("prompt_tokens").to_numpy(zero_copy_only=False).astype(np.float64)
+        self.undecoded_prompt_tokens += int(np.nansum(np.where(failed & ~(steps > 0), prompts, 0.0)))
         self.decode_steps += int(np.nansum(steps))
         mal = t.column("mean_accepted_length").to_numpy(zero_copy_only=False).astype(np.float64)
         self.cycle_tokens += float(np.nansum(np.where(steps > 0, mal * steps, 0.0)))
@@ -74,6 +78,7 @@ class Totals:
             "errors": self.errors,
             "finish_reasons": dict(sorted(self.finish_reasons.items())),
             "prompt_tokens": self.prompt_tokens,
+            "undecoded_prompt_tokens": self.undecoded_prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "decode_steps": self.decode_steps,
             "acceptance_by_depth": by_depth,
@@ -211,8 +216,10 @@ def format_summary(s: dict) -> str:
     lines.append(f"output: {s.get('output_dir')}  ({s.get('rows', 0)} rows in {s.get('parts', 0)} parts)")
     reasons = ", ".join(f"{k} {v}" for k, v in (s.get("finish_reasons") or {}).items())
     lines.append(f"errors: {s.get('errors', 0)}" + (f"   finish reasons: {reasons}" if reasons else ""))
-    lines.append(f"tokens: prompt {s.get('prompt_tokens', 0)}, completion {s.get('completion_tokens', 0)}, "
-                 f"decode steps {s.get('decode_steps', 0)}")
+    undecoded = s.get("undecoded_prompt_tokens") or 0
+    lines.append(f"tokens: prompt {s.get('prompt_tokens', 0)}"
+                 + (f" ({undecoded} of them in rows that failed before decoding)" if undecoded else "")
+                 + f", completion {s.get('completion_tokens', 0)}, decode steps {s.get('decode_steps', 0)}")
     if "wall_seconds" in s:
         lines.append(
             f"last run: {_num(s.get('wall_seconds'), '.1f')} s wall, {s.get('rows_this_run')} rows, "

@@ -9,6 +9,13 @@ def test_help_lists_the_commands():
     assert "mtplx run" in result.output
 
 
+def test_overwrite_and_retry_errors_together_are_refused_in_one_line(tmp_path):
+    result = CliRunner().invoke(cli, ["generate", "--input", str(tmp_path / "in.parquet"), "--output",
+                                      str(tmp_path / "out"), "--overwrite", "--retry-errors"])
+    assert result.exit_code == 2 and "--overwrite and --retry-errors" in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_preloads_put_missing_openblas_and_jemalloc_first_and_keep_the_users(monkeypatch):
     from pipeline import preload
 

@@ -170,6 +170,7 @@ def test_totals_sum_ragged_acceptance_lists_by_depth():
     m = tot.metrics()
     assert [(d["drafted"], d["accepted"]) for d in m["acceptance_by_depth"]] == [(7, 5), (7, 3), (3, 0)]
     assert m["errors"] == 1 and m["rows"] == 3 and m["finish_reasons"] == {"error": 1, "length": 1, "stop": 1}
+    assert m["prompt_tokens"] == 12 and m["undecoded_prompt_tokens"] == 4  # the row that failed before decoding
     assert m["acceptance_rate"] == pytest.approx(8 / 17)
     assert m["mean_accepted_length"] == pytest.approx((1.75 * 4 + 2.0 * 3) / 7)
 
@@ -236,6 +237,56 @@ def test_rerunning_a_finished_job_draws_no_progress_bar(tmp_path, fake_model_dir
     assert "2/2" in capsys.readouterr().err  # the first run's bar
     run_job(spec, RunOptions(quiet=False), engine_factory=fake_engine_factory(), log=lambda s: None)
     assert "row" not in capsys.readouterr().err
+
+
+def run_with_context(spec, max_context, **opts):
+    return run_job(spec, RunOptions(quiet=True, **opts), engine_factory=fake_engine_factory(max_context),
+                   log=lambda s: None)
+
+
+def test_retry_errors_runs_again_only_the_rows_written_with_an_error(tmp_path, fake_model_dir):
+    inp = write_parquet(tmp_path / "in.parquet", id=[10, 11, 12, 13], prompt=["a", "dddd", "cc", "eeee"])
+    spec = fake_spec(tmp_path, inp)
+    first = run_with_context(spec, max_context=9)  # prompts of 4 tokens + max_tokens 6 do not fit
+    assert first.summary["errors"] == 2
+    before = {r["id"]: r for r in read_out(tmp_path)}
+    assert all(before[i]["error"] for i in (11, 13)) and not before[10]["error"]
+
+    kept = run_with_context(spec, max_context=None)  # a plain resume keeps the error rows
+    assert kept.summary["rows_this_run"] == 0 and kept.summary["errors"] == 2
+
+    again = run_with_context(spec, max_context=None, retry_errors=True)
+    assert again.summary["rows_this_run"] == 2 and again.summary["errors"] == 0 and again.summary["rows"] == 4
+    after = read_out(tmp_path)
+    assert sorted(r["id"] for r in after) == [10, 11, 12, 13]
+    by_id = {r["id"]: r for r in after}
+    assert by_id[10] == before[10] and by_id[12] == before[12]
+    assert by_id[11]["completion"] and by_id[13]["completion"]
+
+
+def test_retry_errors_killed_while_dropping_error_rows_loses_and_repeats_nothing(tmp_path, fake_model_dir,
+                                                                                monkeypatch):
+    import pipeline.outdir as outdir
+
+    inp = write_parquet(tmp_path / "in.parquet", id=list(range(8)), prompt=["dddd", "a"] * 4)
+    spec = fake_spec(tmp_path, inp)  # flush_rows 2: the 4 error rows spread over several parts
+    assert run_with_context(spec, max_context=9).summary["errors"] == 4
+    real, calls = outdir.drop_error_rows, []
+
+    def dies_on_the_second_part(part):
+        calls.append(part)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        real(part)
+
+    monkeypatch.setattr(outdir, "drop_error_rows", dies_on_the_second_part)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_with_context(spec, max_context=None, retry_errors=True)
+    assert len(calls) == 2  # the first part was rewritten, the second not
+    monkeypatch.setattr(outdir, "drop_error_rows", real)
+    done = run_with_context(spec, max_context=None, retry_errors=True)
+    ids = sorted(r["id"] for r in read_out(tmp_path))
+    assert ids == list(range(8)) and done.summary["errors"] == 0
 
 
 def test_part_files_without_a_manifest_are_not_resumed(tmp_path, fake_model_dir):
