@@ -110,6 +110,18 @@ def write_json_atomic(path: Path, data: dict) -> None:
     fsync_dir(path.parent)
 
 
+def write_table_atomic(table: pa.Table, path: Path) -> None:
+    """A part file, whole or not at all: written to a temporary name,
+    fsynced, renamed over `path`, and the rename fsynced."""
+    tmp = path.with_name(path.name + TEMP_SUFFIX)
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f, compression="zstd")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -234,15 +246,11 @@ def drop_error_rows(part: Path) -> None:
     other, and each row at most once; a row gone is one the run writes again."""
     table = pq.read_table(part)
     kept = table.filter(pc.is_null(table.column("error")))
-    if kept.num_rows == 0:
-        part.unlink()
+    if kept.num_rows:
+        write_table_atomic(kept, part)
     else:
-        tmp = part.with_name(part.name + TEMP_SUFFIX)
-        pq.write_table(kept, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, part)
-    fsync_dir(part.parent)
+        part.unlink()
+        fsync_dir(part.parent)
 
 
 def clear_output(out: Path) -> None:

@@ -4,16 +4,14 @@ whatever moment the process dies at."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from .errors import JobError
-from .outdir import TEMP_SUFFIX, fsync_dir, part_name
+from .outdir import part_name, write_table_atomic
 from .signals import Stopper
 
 
@@ -54,14 +52,8 @@ class PartWriter:
             return
         table = pa.Table.from_pylist(self.rows, schema=self.schema)
         final = self.out / self.naming(self.next_part)
-        tmp = final.with_name(final.name + TEMP_SUFFIX)
         try:
-            with open(tmp, "wb") as f:
-                pq.write_table(table, f, compression="zstd")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            fsync_dir(self.out)
+            write_table_atomic(table, final)
         except OSError as e:
             raise JobError(f"cannot write {final}: {e.strerror or e}") from None
         self.parts_written.append(final)
