@@ -259,7 +259,8 @@ def _check_resume_flags(overwrite: bool, retry_errors: bool) -> None:
 def _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory):
     from .runner import RunOptions, run_job
 
-    opts = RunOptions(overwrite=overwrite, retry_errors=retry_errors, dry_run=dry_run, quiet=quiet, logprobs=logprobs, max_memory=max_memory)
+    opts = RunOptions(overwrite=overwrite, retry_errors=retry_errors, dry_run=dry_run, quiet=quiet, logprobs=logprobs,
+                      max_memory=max_memory)
     log = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     result = run_job(spec, opts, log=log)
     if dry_run or not quiet:
