@@ -197,7 +197,15 @@ class MTPLXRuntime:
             )
             for i, (p, sp) in enumerate(zip(prompts, sampling))
         ]
-        out = list(self.stream(requests, seed=seed))
+        # Unlike `stream`, nothing of the caller's runs between completions,
+        # so OpenBLAS keeps the cycles' thread count to the end: handing the
+        # caller's back at each completion waited for the cycle in flight
+        # twice per finished row (at batch 4 speculating cycles run 1 thread,
+        # the caller 2).
+        try:
+            out = list(self._stream(requests, seed_value(seed)))
+        finally:
+            release_threads(self)
         return sorted(out, key=lambda c: (c.index, c.sample_index))
 
     def stream(self, requests: Iterable[Request], seed: int = 0) -> Iterator[Completion]:

@@ -136,6 +136,21 @@ def test_the_caller_gets_its_count_back_between_completions_and_after_an_early_c
 
 
 @switching
+def test_generate_gives_the_callers_count_back_once_at_the_end_not_at_every_completion(tiny_model, forced,
+                                                                                       monkeypatch):
+    import mtplx.runtime as runtime
+
+    rt = MTPLXRuntime(load(tiny_model), MTPContract(depth=2), max_batch=2)
+    callers = blas_threads.openblas_threads()
+    released = []
+    real = runtime.release_threads
+    monkeypatch.setattr(runtime, "release_threads", lambda owner: (released.append(owner), real(owner)))
+    out = rt.generate(PROMPTS, max_tokens=12)
+    assert len(out) == len(PROMPTS) and released == [rt]  # each give-back waits for the cycle in flight
+    assert blas_threads.openblas_threads() == callers
+
+
+@switching
 def test_a_runtime_respects_a_count_the_caller_set(tiny_model, forced):
     lib = blas_threads._openblas()
     callers = lib.openblas_get_num_threads()
