@@ -300,8 +300,8 @@ def changed_parts(old: dict, new: dict) -> str:
 
 def _scan_parts(out: Path, plan: Plan, existed: bool, retry_errors: bool = False) -> OutputState:
     parts = part_files(out)
-    error_rows = error_rows_by_part(parts) if retry_errors else {}
-    done, rows = scan_keys(parts, plan, skip_errors=bool(error_rows))
+    error_rows = {} if retry_errors else None
+    done, rows = scan_keys(parts, plan, error_rows)
     twice = int(np.count_nonzero(done.keys[1:] == done.keys[:-1]))
     if twice:  # resuming would keep them: every input row must appear once
         raise JobError(
@@ -311,28 +311,21 @@ def _scan_parts(out: Path, plan: Plan, existed: bool, retry_errors: bool = False
     orders = [_part_order(p) for p in parts]
     next_part = 1 + max((n for kind, n, _ in orders if kind == 0), default=-1)
     next_shard = 1 + max((s for kind, s, _ in orders if kind == 1), default=-1)
-    return OutputState(out, done, rows, next_part, existed, next_shard, error_rows=error_rows)
+    return OutputState(out, done, rows, next_part, existed, next_shard, error_rows=error_rows or {})
 
 
-def error_rows_by_part(parts: List[Path]) -> Dict[Path, int]:
-    """The parts that hold rows with an error, and how many each holds."""
-    out = {}
-    for p in parts:
-        errors = _read_columns(p, ["error"]).column("error")
-        n = len(errors) - errors.null_count
-        if n:
-            out[p] = n
-    return out
-
-
-def scan_keys(parts: List[Path], plan: Plan, skip_errors: bool = False):
-    """(KeySet of the rows the parts hold, their row count); with skip_errors,
-    of their rows without an error."""
+def scan_keys(parts: List[Path], plan: Plan, error_rows: Optional[Dict[Path, int]] = None):
+    """(KeySet of the rows the parts hold, their row count). Given a dict
+    `error_rows`, rows with an error are left out of both and counted in it
+    by part (the parts that hold none are not entered)."""
     chunks, rows = [], 0
     for p in parts:
-        table = _read_columns(p, list(plan.key_columns) + (["error"] if skip_errors else []))
-        if skip_errors:
-            table = table.filter(pc.is_null(table.column("error")))
+        table = _read_columns(p, list(plan.key_columns) + (["error"] if error_rows is not None else []))
+        if error_rows is not None:
+            failed = len(table) - table.column("error").null_count
+            if failed:
+                error_rows[p] = failed
+                table = table.filter(pc.is_null(table.column("error")))
         ids = table.column(plan.key_column).combine_chunks()
         hashes = id_hashes(ids)
         t = _column_or_zero(table, "template_index")
