@@ -21,7 +21,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -100,22 +100,24 @@ class OutputState:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + TEMP_SUFFIX)
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    def write(f):
+        f.write((json.dumps(data, indent=2, sort_keys=False, default=str) + "\n").encode())
+
+    _replace_atomically(path, write)
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
-    """A part file, whole or not at all: written to a temporary name,
-    fsynced, renamed over `path`, and the rename fsynced."""
+    """A part file, whole or not at all (`_replace_atomically`)."""
+    _replace_atomically(path, lambda f: pq.write_table(table, f, compression="zstd"))
+
+
+def _replace_atomically(path: Path, write: Callable) -> None:
+    """`write(f)` into a temporary file beside `path`, fsynced, renamed over
+    `path`, and the rename fsynced: killed at any moment, `path` is the old
+    file or the new one, never part of one."""
     tmp = path.with_name(path.name + TEMP_SUFFIX)
     with open(tmp, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
