@@ -22,7 +22,19 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
-from .sampling import BatchSampling, draft_tokens, greedy_accept, speculative_accept, target_probs
+from .sampling import (
+    RESIDUAL_DRAWS,
+    BatchSampling,
+    Purpose,
+    draft_tokens,
+    greedy_accept,
+    keys_from_base,
+    residual_accept,
+    residual_draft,
+    residual_uniforms,
+    speculative_accept,
+    target_probs,
+)
 
 
 class Decision(NamedTuple):
@@ -41,7 +53,7 @@ def decide(
     q: Optional[mx.array],
     num_valid: mx.array,
     active: mx.array,
-    keys: Optional[mx.array],
+    draws: Optional[mx.array],
     sampling: BatchSampling,
     rule: str,
     logprobs: bool,
@@ -49,12 +61,13 @@ def decide(
 ) -> Decision:
     """logits [B, k+1, V] of the verify, drafts [B, k], q [B, k, V] the draft
     distributions (None when greedy or k = 0), num_valid [B], active [B],
-    keys [B, k+1, 2] (None when every row is greedy)."""
+    draws the cycle's randomness (None when every row is greedy;
+    `cycle_draws`)."""
     greedy = sampling.all_greedy
     fn = _decide_fn(greedy, sampling.any_filter, sampling.any_greedy, rule, logprobs, q is not None, compiled)
     args = [logits, drafts, num_valid, active]
     if not greedy:
-        args += [keys, *sampling_arrays(sampling)]
+        args += [draws, *sampling_arrays(sampling)]
         args += [q] if q is not None else []
     out = fn(*args)
     return Decision(*out[:6], out[6] if logprobs else None)
@@ -72,10 +85,13 @@ def _decide_fn(greedy: bool, any_filter: bool, any_greedy: bool, rule: str, logp
         if greedy:
             accepted, nxt = greedy_accept(drafts, logits, num_valid=nv)  # [B], [B]
         else:
-            keys, bs = sampled[0], _sampling_from(sampled[1:6], any_filter, any_greedy)
+            draws, bs = sampled[0], _sampling_from(sampled[1:6], any_filter, any_greedy)
             p = target_probs(logits, bs, finite=True)  # [B, k+1, V]: non-finite positions zeroed above
             q = sampled[6] if has_q else p[:, :0]
-            accepted, nxt = speculative_accept(drafts, q, p, keys, num_valid=nv, rule=rule, check_finite=False)
+            if rule == "residual":
+                accepted, nxt = residual_accept(drafts, q, p, draws, nv)
+            else:
+                accepted, nxt = speculative_accept(drafts, q, p, draws, num_valid=nv, rule=rule, check_finite=False)
         emitted_ids = mx.where(
             mx.arange(k + 1)[None, :] == accepted[:, None],
             nxt[:, None],
@@ -91,11 +107,11 @@ def _decide_fn(greedy: bool, any_filter: bool, any_greedy: bool, rule: str, logp
     return mx.compile(run) if compiled else run
 
 
-def choose_draft(logits: mx.array, keys: Optional[mx.array], sampled: tuple, greedy: bool, any_filter: bool,
+def choose_draft(logits: mx.array, draws: Optional[mx.array], sampled: tuple, greedy: bool, any_filter: bool,
                  any_greedy: bool, rule: str):
-    """The drafter's token at one depth: head logits [B, V], keys [B, 1, 2] of
-    the drafted position and `sampling_arrays` (unused when every row is
-    greedy) -> d [B, 1] and q [B, 1, V] (None when greedy). A head gone
+    """The drafter's token at one depth: head logits [B, V], the drafted
+    position's `cycle_draws` [B, 1, ...] and `sampling_arrays` (unused when
+    every row is greedy) -> d [B, 1] and q [B, 1, V] (None when greedy). A head gone
     non-finite only costs acceptance: any q is exact, so its rows draft from
     the uniform. Traced inside `draft_chain.DraftChain`.
 
@@ -107,7 +123,20 @@ def choose_draft(logits: mx.array, keys: Optional[mx.array], sampled: tuple, gre
         return mx.argmax(logits, axis=-1).astype(mx.int32)[:, None], None  # [B, 1]
     logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
     q = target_probs(logits[:, None], _sampling_from(sampled, any_filter, any_greedy), finite=True)  # [B, 1, V]
-    return draft_tokens(q, keys, rule), q  # [B, 1], [B, 1, V]
+    if rule == "residual":
+        return residual_draft(q, draws[..., RESIDUAL_DRAWS.index(Purpose.DRAFT)]), q  # [B, 1], [B, 1, V]
+    return draft_tokens(q, draws, rule), q  # [B, 1], [B, 1, V]
+
+
+def cycle_draws(key_base: mx.array, positions: mx.array, rule: str, compiled: bool = True) -> mx.array:
+    """The randomness a sampled cycle's graphs take, for the completion
+    positions [B, k+1] it decides from each row's `row_key_base` [B]: under
+    the residual rule its uniforms [B, k+1, 3] (`residual_uniforms`), drawn
+    in one run of hash ops; under the coupled rule the position keys
+    [B, k+1, 2], whose Gumbel noise over the vocabulary the graphs draw."""
+    if rule == "residual":
+        return residual_uniforms(key_base, positions, compiled=compiled)
+    return keys_from_base(key_base, positions, compiled=compiled)
 
 
 def sampling_arrays(bs: BatchSampling) -> list:

@@ -44,7 +44,7 @@ class HeadPending(NamedTuple):
 
 
 class DraftChain:
-    """`chain(pending, keys, sampling, head_caches, k, span)` -> drafts [B, k]
+    """`chain(pending, draws, sampling, head_caches, k, span)` -> drafts [B, k]
     and q [B, k, V] (None when every row is greedy). `span` bounds the head
     caches' lengths before the catch-up; after it, the caches hold its
     entries and `host_max` bounds their new lengths."""
@@ -56,7 +56,7 @@ class DraftChain:
         self.compiled = compiled
         self._fns: Dict[Tuple, Callable] = {}
 
-    def __call__(self, pending: HeadPending, keys: Optional[mx.array], sampling,
+    def __call__(self, pending: HeadPending, draws: Optional[mx.array], sampling,
                  head_caches: List[SlotKVCache], k: int, span: int):
         greedy = sampling.all_greedy
         T = pending.tokens.shape[1]
@@ -66,7 +66,7 @@ class DraftChain:
             c.reserve(span + T + k - 1)  # the catch-up's entries, then the chain's (not kept)
         fn = self._fn(k, greedy, sampling.any_filter, sampling.any_greedy)
         arrays = [a for c in head_caches for a in (c.keys, c.values, c.lengths)]
-        sampled = [] if greedy else [keys, *sampling_arrays(sampling)]
+        sampled = [] if greedy else [draws, *sampling_arrays(sampling)]
         read = span_marker(common_span(head_caches, span + T + k - 1))  # the catch-up's writes, then the chain's
         out = fn(read, *pending, *sampled, *arrays)
         n_drafts = 1 if greedy else 2
@@ -97,7 +97,7 @@ class DraftChain:
         n, head, rule = self.num_layers, self.head, self.rule
 
         def run(marker, cu_hidden, cu_tokens, take, keep, *rest):
-            n_sampled = 0 if greedy else 6  # keys [B, k+1, 2] + the five sampling arrays
+            n_sampled = 0 if greedy else 6  # the cycle's draws (decide.cycle_draws) + the five sampling arrays
             sampled, arrays = rest[:n_sampled], rest[n_sampled:]
             # Step 0: every head layer's catch-up over the pending pairs, kept.
             T, S = cu_tokens.shape[1], marker.shape[0]  # S: positions read, 0 for the whole capacity
@@ -114,8 +114,8 @@ class DraftChain:
             chain = shadow_caches((SlotKVCache,) * n, written, T=1, span=S)
             drafts, qs = [], []
             for i in range(1, k + 1):
-                keys_i = None if greedy else sampled[0][:, i - 1 : i]  # [B, 1, 2]
-                d_i, q_i = choose_draft(logits, keys_i, sampled[1:], greedy, any_filter, any_greedy,
+                draws_i = None if greedy else sampled[0][:, i - 1 : i]  # [B, 1, ...]
+                d_i, q_i = choose_draft(logits, draws_i, sampled[1:], greedy, any_filter, any_greedy,
                                         rule)  # [B, 1], [B, 1, V]
                 drafts.append(d_i)
                 qs.append(q_i)

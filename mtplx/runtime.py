@@ -27,7 +27,7 @@ import mlx.core as mx
 from .blas_threads import decode_threads, gemm_row_cost, release_threads, use_threads
 from .compiled import trunk_pass
 from .completion import Completion, Request, error_completion, find_stop_string
-from .decide import decide
+from .decide import cycle_draws, decide
 from .decode_model import prepare_for_decoding
 from .draft_chain import DraftChain, HeadPending
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
@@ -39,7 +39,6 @@ from .request_checks import (PromptError, prompt_list, row_id_list, seed_value, 
 from .sampling import (
     SamplingParams,
     batch_sampling,
-    keys_from_base,
     position_keys,
     row_key_base,
     row_hash,
@@ -401,15 +400,16 @@ class MTPLXRuntime:
         rows = list(batch.rows)
         span = batch.span_bound(batch.trunk_len, in_flight)
         greedy = batch.sampling.all_greedy  # no random draws, no probability tensors
-        keys = None if greedy else keys_from_base(
+        draws = None if greedy else cycle_draws(
             batch.key_base,
             batch.emitted[:, None] + mx.arange(k + 1, dtype=mx.int32)[None, :],
+            self.contract.acceptance,
             compiled=self.contract.compile,
-        )  # [B, k+1, 2]: the key of each completion position this cycle decides
+        )  # [B, k+1, ...]: the randomness of each completion position this cycle decides
         num_valid = mx.clip(batch.max_tokens - batch.emitted - 1, 0, k)  # [B] rows near max_tokens draft fewer
 
         if k > 0:
-            drafts, q = self._draft(batch, span, keys, k)  # [B, k], [B, k, V]
+            drafts, q = self._draft(batch, span, draws, k)  # [B, k], [B, k, V]
             mx.async_eval(drafts)  # computed while the host builds the verify
         else:
             drafts = mx.zeros((batch.size, 0), dtype=mx.int32)
@@ -426,7 +426,7 @@ class MTPLXRuntime:
         # evaluation at the end: the CPU backend starts a graph only when it
         # is evaluated, and building one cycle's graphs takes ~1-2 ms.
         mx.async_eval(logits, hidden)
-        d = decide(logits, drafts, q, num_valid, batch.active, keys, batch.sampling,
+        d = decide(logits, drafts, q, num_valid, batch.active, draws, batch.sampling,
                    rule=self.contract.acceptance,
                    logprobs=any(r is not None and r.logprobs is not None for r in rows),
                    compiled=self.contract.compile)
@@ -447,12 +447,12 @@ class MTPLXRuntime:
         self.stats["decode_seconds"] += time.perf_counter() - t0
         return _InFlight(rows, k, accepted, emitted_ids, d.num_valid, d.bad, d.logprobs)
 
-    def _draft(self, batch: SlotBatch, span: int, keys: Optional[mx.array], k: int):
+    def _draft(self, batch: SlotBatch, span: int, draws: Optional[mx.array], k: int):
         """Head catch-up, then d_1..d_k per row (depth i>1 feeds the head its
         own output back), in one graph (mtplx.draft_chain); only the
         catch-up's entries stay in the head caches."""
         pending = HeadPending(batch.cu_hidden, batch.cu_tokens, batch.cu_take, batch.cu_keep)
-        return self._draft_chain(pending, keys, batch.sampling, batch.head, k, span)
+        return self._draft_chain(pending, draws, batch.sampling, batch.head, k, span)
 
     # -- reading a finished cycle (host) -------------------------------------
     def _collect(self, batch: SlotBatch, inf: "_InFlight") -> List[Completion]:

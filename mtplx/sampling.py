@@ -233,11 +233,15 @@ def keys_from_base(base: mx.array, positions, compiled: bool = False) -> mx.arra
 
 
 def _keys_at(base: mx.array, positions: mx.array) -> mx.array:
+    return _split64(_key_words(base, positions))  # [B, T, 2]
+
+
+def _key_words(base: mx.array, positions: mx.array) -> mx.array:
+    """uint64 [B, T]: the words `_keys_at` splits into uint32 pairs."""
     base = base.reshape(base.shape + (1,) * (positions.ndim - 1))  # [B, 1]
     pos = positions.astype(mx.int64).astype(mx.uint64)  # [B, T]
     # mix64 is a bijection, so distinct positions of one row never collide.
-    words = _mix64(base ^ _mix64(pos + _mx_u64(_SALT_POS), _mx_u64), _mx_u64)  # [B, T]
-    return _split64(words)  # [B, T, 2]
+    return _mix64(base ^ _mix64(pos + _mx_u64(_SALT_POS), _mx_u64), _mx_u64)  # [B, T]
 
 
 _keys_at_compiled = mx.compile(_keys_at)
@@ -307,6 +311,34 @@ def _uniform_for(keys: mx.array, purpose: Purpose) -> mx.array:
 
 def _gumbel_for(keys: mx.array, purpose: Purpose, n: int) -> mx.array:
     return _gumbel_of(_stream_words(_purpose_word(keys, purpose), n))  # [..., n]
+
+
+# The residual rule's three uniforms, in this order on the last axis of
+# `residual_uniforms`.
+RESIDUAL_DRAWS = (Purpose.DRAFT, Purpose.ACCEPT, Purpose.RESIDUAL)
+
+
+def residual_uniforms(base: mx.array, positions: mx.array, compiled: bool = False) -> mx.array:
+    """float32 [B, T, 3]: for each row's positions, the uniforms of
+    RESIDUAL_DRAWS, the same numbers as `_uniform_for(keys_from_base(base,
+    positions), purpose)`.
+
+    A residual-rule cycle draws a draft at each depth, accept tests and one
+    correction or bonus, each from its position's key. Drawn one purpose and
+    one depth at a time, each draw was its own run of hash ops on a few
+    elements, about 40 us a run on the CPU backend even traced (six runs a
+    cycle at depth 3, counting the keys); here one run covers them all."""
+    return (_residual_uniforms_compiled if compiled else _residual_uniforms)(base, positions)
+
+
+def _residual_uniforms(base: mx.array, positions: mx.array) -> mx.array:
+    tags = mx.array(np.array([_PURPOSE_TAGS[p] for p in RESIDUAL_DRAWS], dtype=np.uint64))  # [3]
+    # The key's word is what _join64 rebuilds from its uint32 pair.
+    words = _mix64(_key_words(base, positions)[..., None] ^ tags, _mx_u64)  # [B, T, 3]
+    return _uniform_of(_stream_words(words, 1)[..., 0])  # [B, T, 3]
+
+
+_residual_uniforms_compiled = mx.compile(_residual_uniforms)
 
 
 # ------------------------------------------------------- logit processing
@@ -471,7 +503,13 @@ def draft_tokens(q: mx.array, keys: mx.array, rule: str) -> mx.array:
     _check_rule(rule)
     if rule == "coupled":
         return _gumbel_argmax(q, keys)
-    return _categorical(q, _uniform_for(keys, Purpose.DRAFT))
+    return residual_draft(q, _uniform_for(keys, Purpose.DRAFT))
+
+
+def residual_draft(q: mx.array, u: mx.array) -> mx.array:
+    """int32 [B, T]: the residual rule's draft from q [B, T, V] with its DRAFT
+    uniforms u [B, T] (`residual_uniforms`)."""
+    return _categorical(q, u)
 
 
 def sample_plain(p: mx.array, keys: mx.array, rule: str) -> mx.array:
@@ -554,17 +592,41 @@ def speculative_accept(
         accepted = _accepted_count((draft == target[:, :k]) & valid)
         return accepted, _at(target, accepted)
 
+    u_accept = _uniform_for(keys[:, :k], Purpose.ACCEPT)  # [B, k]
+    u_residual = _uniform_for(keys, Purpose.RESIDUAL)  # [B, k+1]
+    return _residual_accept(draft, q, p, u_accept, u_residual, valid, nv)
+
+
+def residual_accept(draft: mx.array, q: mx.array, p: mx.array, uniforms: mx.array,
+                    num_valid: mx.array) -> tuple[mx.array, mx.array]:
+    """`speculative_accept` under the residual rule, with the cycle's
+    `residual_uniforms` [B, k+1, 3] drawn beforehand instead of its keys:
+    the same (accepted [B], next [B]). draft [B, k] int32, q [B, k, V],
+    p [B, k+1, V], num_valid [B] int32 in 0..k; values are not checked
+    (the decode cycle's graphs guard non-finite positions themselves)."""
+    k = draft.shape[1]
+    u_residual = uniforms[..., RESIDUAL_DRAWS.index(Purpose.RESIDUAL)]  # [B, k+1]
+    if k == 0:  # sample_plain's residual draw
+        target = residual_distribution(p, mx.zeros_like(p), 0.0)  # [B, 1, V]
+        return mx.zeros((p.shape[0],), dtype=mx.int32), _categorical(target, u_residual)[:, 0]
+    valid = mx.arange(k, dtype=mx.int32)[None, :] < num_valid[:, None]  # [B, k]
+    u_accept = uniforms[:, :k, RESIDUAL_DRAWS.index(Purpose.ACCEPT)]  # [B, k]
+    return _residual_accept(draft.astype(mx.int32), q, p, u_accept, u_residual, valid, num_valid)
+
+
+def _residual_accept(draft, q, p, u_accept, u_residual, valid, nv) -> tuple[mx.array, mx.array]:
+    """Accept d_i while u_i * q_i(d_i) < p_i(d_i), then the correction or
+    bonus draw: u_accept [B, k], u_residual [B, k+1], valid [B, k], nv [B]."""
+    k = draft.shape[1]
     p_d = mx.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, k]
     q_d = mx.take_along_axis(q, draft[..., None], axis=-1)[..., 0]  # [B, k]
-    u = _uniform_for(keys[:, :k], Purpose.ACCEPT)  # [B, k]
-    accepted = _accepted_count(_accept_flags(u, p_d, q_d) & valid)  # [B]
+    accepted = _accepted_count(_accept_flags(u_accept, p_d, q_d) & valid)  # [B]
     # q has no entry at index k. Any finite row stands in there (and at an
     # index past a row's num_valid): the bonus's mask 0 makes it exactly 0.
     q_next = _at(q, mx.minimum(accepted, k - 1))  # [B, V]
     mask = (accepted < nv).astype(mx.float32)  # [B]: 1 = correction, 0 = bonus
     residual = residual_distribution(_at(p, accepted), q_next, mask)  # [B, V]
-    u_next = _uniform_for(_at(keys, accepted), Purpose.RESIDUAL)  # [B]
-    return accepted, _categorical(residual, u_next)
+    return accepted, _categorical(residual, _at(u_residual, accepted))
 
 
 def greedy_accept(draft: mx.array, logits: mx.array, num_valid=None) -> tuple[mx.array, mx.array]:

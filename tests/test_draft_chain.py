@@ -9,8 +9,10 @@ import pytest
 
 import mtplx
 from mtplx.cache import SlotKVCache
+from mtplx.decide import cycle_draws
 from mtplx.draft_chain import DraftChain, HeadPending
-from mtplx.sampling import SamplingParams, batch_sampling, draft_tokens, greedy_tokens, target_probs
+from mtplx.sampling import (SamplingParams, batch_sampling, draft_tokens, greedy_tokens, keys_from_base, row_hash,
+                            row_key_base, target_probs)
 from mtplx.testing import tiny_checkpoint
 
 VOCAB = 48
@@ -114,11 +116,16 @@ def test_draft_chain_catches_the_head_up_then_drafts_what_the_head_fed_its_own_o
     pending = pending_pairs(model, rng, T)
     sampling = batch_sampling([SamplingParams(temperature=temperature, top_k=0 if i else 7) for i in range(B)])
     k = 4
-    keys = mx.array(rng.integers(0, 2**32, size=(B, k + 1, 2), dtype=np.uint32))
+    key_base = row_key_base(11, [row_hash(b) for b in range(B)], 0)
+    positions = mx.array([[p + i for i in range(k + 1)] for p in (0, 7, 30)], dtype=mx.int32)  # [B, k+1]
+    keys = keys_from_base(key_base, positions)  # [B, k+1, 2]
     ref_caches, logits, hidden = caught_up(model, pending, caches)
+    # The reference draws each draft from its position's key; the chain takes
+    # the cycle's residual uniforms drawn beforehand, which must give the same.
     ref_drafts, ref_q = step_by_step(model, logits, hidden, keys, sampling, ref_caches, k, "residual")
     chain = DraftChain(model.head, model.num_head_layers, "residual", compiled=compiled)
-    drafts, q = chain(pending, keys, sampling, caches, k, span=9)
+    draws = cycle_draws(key_base, positions, "residual", compiled=compiled)
+    drafts, q = chain(pending, draws, sampling, caches, k, span=9)
     assert drafts.shape == (B, k) and drafts.tolist() == ref_drafts.tolist()
     if temperature == 0.0:
         assert q is None

@@ -728,6 +728,35 @@ def test_the_cycle_draws_are_the_public_keyed_draws_bit_for_bit():
         assert mx.array_equal(sampling._gumbel_for(keys, p, 7), gumbel_from_keys(purpose_keys(keys, p), 7)).item()
 
 
+def test_the_residual_uniforms_drawn_together_are_each_purposes_keyed_draw_bit_for_bit():
+    base = sampling.row_key_base(3, [sampling.row_hash(i) for i in range(5)], [0, 1, 0, 2, 0])  # [B]
+    positions = mx.array(np.random.default_rng(2).integers(0, 10_000, size=(5, 4)), dtype=mx.int32)  # [B, T]
+    keys = sampling.keys_from_base(base, positions)  # [B, T, 2]
+    for compiled in (False, True):
+        u = sampling.residual_uniforms(base, positions, compiled=compiled)  # [B, T, 3]
+        assert u.shape == (5, 4, len(sampling.RESIDUAL_DRAWS))
+        for i, purpose in enumerate(sampling.RESIDUAL_DRAWS):
+            assert mx.array_equal(u[..., i], sampling._uniform_for(keys, purpose)).item()
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_residual_accept_on_the_drawn_uniforms_decides_as_speculative_accept_on_the_keys(k):
+    rng = np.random.default_rng(k)
+    B, V = 200, 6  # a small vocabulary: drafts are often accepted, often corrected
+    p = mx.softmax(mx.array(rng.normal(size=(B, k + 1, V)).astype(np.float32)), axis=-1)
+    q = mx.softmax(mx.array(rng.normal(size=(B, k, V)).astype(np.float32)), axis=-1)
+    draft = mx.array(rng.integers(0, V, size=(B, k)).astype(np.int32))
+    nv = mx.array(rng.integers(0, k + 1, size=B).astype(np.int32))
+    base = sampling.row_key_base(9, [sampling.row_hash(i) for i in range(B)], 0)
+    positions = mx.array(rng.integers(0, 500, size=(B, 1)) + np.arange(k + 1), dtype=mx.int32)  # [B, k+1]
+    keys = sampling.keys_from_base(base, positions)
+    a_ref, n_ref = speculative_accept(draft, q, p, keys, num_valid=nv, rule="residual")
+    a, n = sampling.residual_accept(draft, q, p, sampling.residual_uniforms(base, positions), nv)
+    assert a.tolist() == a_ref.tolist() and n.tolist() == n_ref.tolist()
+    if k:  # the case mixes accepted, corrected and bonus rows, so each path was compared
+        assert 0 < int(mx.sum(a == nv)) < B and int(mx.sum(a == 0)) > 0
+
+
 def test_unknown_rule_is_rejected():
     with pytest.raises(ValueError, match="rule"):
         sample_plain(mx.ones((1, 1, 2)) / 2, mx.zeros((1, 1, 2), dtype=mx.uint32), "typo")
