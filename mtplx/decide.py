@@ -23,7 +23,6 @@ import mlx.core as mx
 
 from .mtp_batch_numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from .sampling import (
-    RESIDUAL_DRAWS,
     BatchSampling,
     Purpose,
     draft_tokens,
@@ -31,6 +30,7 @@ from .sampling import (
     keys_from_base,
     residual_accept,
     residual_draft,
+    residual_draw,
     residual_uniforms,
     speculative_accept,
     target_probs,
@@ -124,7 +124,7 @@ def choose_draft(logits: mx.array, draws: Optional[mx.array], sampled: tuple, gr
     logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
     q = target_probs(logits[:, None], _sampling_from(sampled, any_filter, any_greedy), finite=True)  # [B, 1, V]
     if rule == "residual":
-        return residual_draft(q, draws[..., RESIDUAL_DRAWS.index(Purpose.DRAFT)]), q  # [B, 1], [B, 1, V]
+        return residual_draft(q, residual_draw(draws, Purpose.DRAFT)), q  # [B, 1], [B, 1, V]
     return draft_tokens(q, draws, rule), q  # [B, 1], [B, 1, V]
 
 

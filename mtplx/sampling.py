@@ -341,6 +341,11 @@ def _residual_uniforms(base: mx.array, positions: mx.array) -> mx.array:
 _residual_uniforms_compiled = mx.compile(_residual_uniforms)
 
 
+def residual_draw(uniforms: mx.array, purpose: Purpose) -> mx.array:
+    """float32 [B, T]: the `purpose` column of `residual_uniforms` [B, T, 3]."""
+    return uniforms[..., RESIDUAL_DRAWS.index(purpose)]
+
+
 # ------------------------------------------------------- logit processing
 
 
@@ -519,8 +524,13 @@ def sample_plain(p: mx.array, keys: mx.array, rule: str) -> mx.array:
     _check_rule(rule)
     if rule == "coupled":
         return _gumbel_argmax(p, keys)
-    target = residual_distribution(p, mx.zeros_like(p), 0.0)
-    return _categorical(target, _uniform_for(keys, Purpose.RESIDUAL))
+    return _plain_residual_draw(p, _uniform_for(keys, Purpose.RESIDUAL))
+
+
+def _plain_residual_draw(p: mx.array, u: mx.array) -> mx.array:
+    """int32 [B, T]: the residual rule's depth-0 draw from p [B, T, V] with
+    RESIDUAL uniforms u [B, T], through the same mask-0 residual the bonus uses."""
+    return _categorical(residual_distribution(p, mx.zeros_like(p), 0.0), u)
 
 
 def _accept_flags(u: mx.array, p_d: mx.array, q_d: mx.array) -> mx.array:
@@ -605,12 +615,11 @@ def residual_accept(draft: mx.array, q: mx.array, p: mx.array, uniforms: mx.arra
     p [B, k+1, V], num_valid [B] int32 in 0..k; values are not checked
     (the decode cycle's graphs guard non-finite positions themselves)."""
     k = draft.shape[1]
-    u_residual = uniforms[..., RESIDUAL_DRAWS.index(Purpose.RESIDUAL)]  # [B, k+1]
+    u_residual = residual_draw(uniforms, Purpose.RESIDUAL)  # [B, k+1]
     if k == 0:  # sample_plain's residual draw
-        target = residual_distribution(p, mx.zeros_like(p), 0.0)  # [B, 1, V]
-        return mx.zeros((p.shape[0],), dtype=mx.int32), _categorical(target, u_residual)[:, 0]
+        return mx.zeros((p.shape[0],), dtype=mx.int32), _plain_residual_draw(p, u_residual)[:, 0]
     valid = mx.arange(k, dtype=mx.int32)[None, :] < num_valid[:, None]  # [B, k]
-    u_accept = uniforms[:, :k, RESIDUAL_DRAWS.index(Purpose.ACCEPT)]  # [B, k]
+    u_accept = residual_draw(uniforms, Purpose.ACCEPT)[:, :k]  # [B, k]
     return _residual_accept(draft.astype(mx.int32), q, p, u_accept, u_residual, valid, num_valid)
 
 
