@@ -16,7 +16,7 @@ position.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -76,6 +76,36 @@ def _finite_or_zero(x: mx.array) -> mx.array:
     return mx.where(mx.isfinite(x), x, mx.zeros((), dtype=x.dtype))
 
 
+def _query_positions(lengths: mx.array, T: int) -> mx.array:
+    """int32 [B, T]: the positions of a pass's T new tokens in each row."""
+    return lengths[:, None] + mx.arange(T)[None, :]
+
+
+def write_index(lengths: mx.array, T: int) -> mx.array:
+    """int32 [B, 1, T, 1]: where a pass of T positions writes each row's
+    keys and values (row b from its length on)."""
+    return _query_positions(lengths, T)[:, None, :, None]
+
+
+class PassPositions(NamedTuple):
+    """What every attention layer of one pass derives from the rows'
+    lengths alone: which keys each query sees and where the new entries go.
+    On the CPU backend each is a handful of small ops that cost more to
+    dispatch than to run; the trunk's layers all hold the same lengths, so a
+    pass makes them once for all its layers (`mtplx.compiled.SlotPass`)."""
+
+    mask: mx.array  # bool [B, 1, T, S]: query t of row b sees keys j <= lengths[b] + t
+    write_index: mx.array  # int32 [B, 1, T, 1]
+
+
+def pass_positions(lengths: mx.array, T: int, span: int) -> PassPositions:
+    """`PassPositions` of a pass of T positions reading `span` keys from
+    caches whose rows hold `lengths` [B] entries before it."""
+    q = _query_positions(lengths, T)  # [B, T]
+    mask = mx.arange(span)[None, None, :] <= q[:, :, None]  # [B, T, S]
+    return PassPositions(mask[:, None], q[:, None, :, None])
+
+
 class SlotKVCache:
     """Attention KV with a write position per row.
 
@@ -90,6 +120,9 @@ class SlotKVCache:
         self.values: Optional[mx.array] = None  # [B, H, C, Dv]
         self.lengths = mx.zeros((batch_size,), dtype=mx.int32)  # [B]
         self.host_max = 0
+        # Inside a compiled pass: the mask and write index of its span, made
+        # once for every attention layer of the pass (`PassPositions`).
+        self.positions: Optional["PassPositions"] = None
 
     # -- the protocol mlx-lm attention layers use --------------------------
     @property
@@ -97,13 +130,12 @@ class SlotKVCache:
         return self.lengths
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **_):
-        # Query t of row b sees keys j <= lengths[b] + t.
         span = self.host_max + N
-        q = self.lengths[:, None] + mx.arange(N)[None, :]  # [B, N]
-        mask = mx.arange(span)[None, None, :] <= q[:, :, None]  # [B, N, S]
-        if window_size is not None:
-            mask = mask & (mx.arange(span)[None, None, :] > q[:, :, None] - window_size)
-        return mask[:, None]  # [B, 1, N, S]
+        if window_size is None:
+            return (self.positions or pass_positions(self.lengths, N, span)).mask  # [B, 1, N, S]
+        q = _query_positions(self.lengths, N)[:, :, None]  # [B, N, 1]
+        keys = mx.arange(span)[None, None, :]  # [1, 1, S]
+        return ((keys <= q) & (keys > q - window_size))[:, None]  # [B, 1, N, S]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, T, _ = keys.shape  # [B, H, T, Dk]
@@ -116,8 +148,7 @@ class SlotKVCache:
         # so that position's logits still flag the row (mtplx.decide).
         keys, values = _finite_or_zero(keys), _finite_or_zero(values)
         self._reserve(self.host_max + T, keys, values)
-        idx = self.lengths[:, None] + mx.arange(T)[None, :]  # [B, T]
-        idx = idx[:, None, :, None]  # [B, 1, T, 1]
+        idx = write_index(self.lengths, T) if self.positions is None else self.positions.write_index  # [B, 1, T, 1]
         self.keys = mx.put_along_axis(
             self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2
         )
@@ -151,8 +182,10 @@ class SlotKVCache:
             self.values = mx.concatenate([self.values, new_v], axis=2)
 
     def set_lengths(self, lengths: mx.array, host_max: int):
-        """Commit: keep `lengths[b]` entries of each row (rollback is free)."""
-        self.lengths = lengths.astype(mx.int32)
+        """Commit: keep `lengths[b]` entries of each row (rollback is free).
+        An int32 array is kept as it is, so that caches handed one array
+        share it (`mtplx.compiled._positions`)."""
+        self.lengths = lengths if lengths.dtype == mx.int32 else lengths.astype(mx.int32)
         self.host_max = int(host_max)
 
     def write_rows(self, rows: Sequence[int], keys: mx.array, values: mx.array, lengths: mx.array, host_max: int):

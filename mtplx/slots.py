@@ -200,11 +200,21 @@ class SlotBatch:
 
     # -- commit (device only) ----------------------------------------------
     def commit_trunk(self, before: list, keep: mx.array, all_kept: bool, span: int, compiled: bool = True):
-        """Row b keeps keep[b] of the verify entries (0 for empty slots)."""
+        """Row b keeps keep[b] of the verify entries (0 for empty slots).
+        `before`: each trunk cache's lengths before the verify (None for a
+        gated-delta one)."""
         commit_gdn(self.trunk, keep, all_kept, compiled)
-        for c, lengths in zip(self.trunk, before):
+        # Every trunk layer holds the same positions of each row, so one
+        # lengths array serves them all: one add, not one per layer, and a
+        # pass then makes its mask and write index once for every attention
+        # layer (mtplx.compiled.SlotPass).
+        lengths = next((x for x in before if x is not None), None)
+        if lengths is None:
+            return
+        lengths = lengths + keep
+        for c in self.trunk:
             if isinstance(c, SlotKVCache):
-                c.set_lengths(lengths + keep, span)
+                c.set_lengths(lengths, span)
 
     def cache_state(self) -> list:
         """The arrays a cycle leaves behind, to evaluate with its outputs."""

@@ -57,9 +57,9 @@ def test_each_stage_is_started_before_the_next_is_built(model, monkeypatch):
     run = StagedPass(model, keep_pending=False, layers_per_stage=1)
 
     def recording(i, stage):
-        def call(inputs, caches, T):
+        def call(inputs, caches, T, shared=None):
             events.append(f"build {i}")
-            return stage(inputs, caches, T)
+            return stage(inputs, caches, T, shared)
         return call
 
     run.stages = [(layers, recording(i, stage)) for i, (layers, stage) in enumerate(run.stages)]
@@ -77,3 +77,42 @@ def test_the_runtime_stages_its_trunk_pass_a_layer_at_a_time_on_the_cpu(model):
         pytest.skip("on a GPU the pass stays one graph")
     rt = MTPLXRuntime(model, MTPContract(depth=1), max_batch=2)
     assert [s.stop - s.start for s, _ in rt._verify.stages] == [compiled.CPU_LAYERS_PER_STAGE] * len(model.layer_kinds)
+
+
+def test_attention_layers_holding_one_lengths_array_make_their_mask_and_write_index_once_per_pass(model, monkeypatch):
+    """PassPositions: over caches that hold one lengths array (the runtime's
+    trunk after a commit) a staged pass makes the mask and write index once
+    for all its attention layers, and leaves exactly what a pass making them
+    per layer leaves."""
+    T = 3
+    tokens = mx.array([[5, 9, 11]] * 3)  # [3, T]
+    per_layer, shared = _prefilled(model), _prefilled(model)
+    one = next(c.lengths for c in shared if isinstance(c, SlotKVCache))
+    for c in shared:
+        if isinstance(c, SlotKVCache):
+            c.lengths = one
+    made = []
+    real = compiled.pass_positions
+    monkeypatch.setattr(compiled, "pass_positions", lambda *a: (made.append(a[1:]), real(*a))[1])
+    run = StagedPass(model, keep_pending=True, layers_per_stage=1)
+    want = run((tokens,), per_layer, T=T)
+    n_attention = model.layer_kinds.count("attn")
+    assert n_attention > 1 and len(made) == n_attention
+    made.clear()
+    got = run((tokens,), shared, T=T)
+    assert len(made) == 1
+    for w, g in zip([*want, *_state(per_layer)], [*got, *_state(shared)], strict=True):
+        assert w.shape == g.shape and mx.array_equal(w, g).item()
+
+
+def test_a_commit_hands_every_trunk_attention_cache_one_lengths_array(model):
+    from mtplx.slots import SlotBatch
+
+    batch = SlotBatch(model, size=3, depth=2)
+    kv = [c for c in batch.trunk if isinstance(c, SlotKVCache)]
+    for c in kv:
+        c.lengths = mx.array([4, 7, 0], dtype=mx.int32)  # equal values, separate arrays
+    before = [c.lengths if isinstance(c, SlotKVCache) else None for c in batch.trunk]
+    batch.commit_trunk(before, mx.array([2, 3, 0], dtype=mx.int32), all_kept=False, span=12)
+    assert len(kv) > 1 and all(c.lengths is kv[0].lengths for c in kv)
+    assert kv[0].lengths.tolist() == [6, 10, 0] and all(c.host_max == 12 for c in kv)
