@@ -116,3 +116,39 @@ def test_a_commit_hands_every_trunk_attention_cache_one_lengths_array(model):
     batch.commit_trunk(before, mx.array([2, 3, 0], dtype=mx.int32), all_kept=False, span=12)
     assert len(kv) > 1 and all(c.lengths is kv[0].lengths for c in kv)
     assert kv[0].lengths.tolist() == [6, 10, 0] and all(c.host_max == 12 for c in kv)
+
+
+def test_conv_taps_split_ahead_of_the_passes_leave_what_splitting_in_every_pass_leaves(model):
+    """families.qwen.prepare_conv_taps: the gated-delta conv's taps split once
+    give the same logits and caches bit for bit, and a conv weight replaced
+    after the split is used, not the stale taps."""
+    from mlx.utils import tree_flatten
+
+    from mtplx.families.qwen import prepare_conv_taps
+
+    tokens = mx.array([[5, 9, 11]] * 3)  # [3, T]
+    gdns = [l.linear_attn for l in model.text_model.layers if hasattr(l, "linear_attn")]
+    assert gdns
+
+    def run():
+        caches = _prefilled(model)
+        out = SlotPass(model.forward, keep_pending=True)((tokens,), caches, T=3)
+        mx.eval(out, _state(caches))
+        return [*out, *_state(caches)]
+
+    for g in gdns:
+        g.__dict__.pop("conv_taps", None)
+    per_pass = run()
+    prepare_conv_taps(model)
+    assert all(len(g.conv_taps[1]) == g.conv1d.weight.shape[1] for g in gdns)
+    assert not any("conv_taps" in k for k, _ in tree_flatten(model.trunk.parameters()))
+    split_once = run()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(per_pass, split_once, strict=True))
+    first = gdns[0]
+    old = first.conv1d.weight
+    try:
+        first.conv1d.weight = old * 2.0
+        changed = run()
+        assert not all(mx.array_equal(a, b).item() for a, b in zip(split_once, changed))
+    finally:
+        first.conv1d.weight = old
