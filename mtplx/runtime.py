@@ -414,7 +414,7 @@ class MTPLXRuntime:
         else:
             drafts = mx.zeros((batch.size, 0), dtype=mx.int32)
             q = None
-        before = [c.lengths if isinstance(c, SlotKVCache) else None for c in batch.trunk]
+        before = batch.trunk_lengths()  # [B] (None without attention layers), the commit's base
         for c in batch.trunk:
             if isinstance(c, SlotKVCache):
                 c.host_max = span

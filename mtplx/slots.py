@@ -199,19 +199,22 @@ class SlotBatch:
         return out
 
     # -- commit (device only) ----------------------------------------------
-    def commit_trunk(self, before: list, keep: mx.array, all_kept: bool, span: int, compiled: bool = True):
-        """Row b keeps keep[b] of the verify entries (0 for empty slots).
-        `before`: each trunk cache's lengths before the verify (None for a
-        gated-delta one)."""
+    def trunk_lengths(self) -> Optional[mx.array]:
+        """[B]: the entries each row holds in the trunk's attention caches
+        (every trunk layer holds the same positions); None without any."""
+        return next((c.lengths for c in self.trunk if isinstance(c, SlotKVCache)), None)
+
+    def commit_trunk(self, before: Optional[mx.array], keep: mx.array, all_kept: bool, span: int,
+                     compiled: bool = True):
+        """Row b keeps keep[b] of the verify entries (0 for empty slots);
+        `before` [B]: `trunk_lengths()` before the verify."""
         commit_gdn(self.trunk, keep, all_kept, compiled)
-        # Every trunk layer holds the same positions of each row, so one
-        # lengths array serves them all: one add, not one per layer, and a
-        # pass then makes its mask and write index once for every attention
-        # layer (mtplx.compiled.SlotPass).
-        lengths = next((x for x in before if x is not None), None)
-        if lengths is None:
+        if before is None:
             return
-        lengths = lengths + keep
+        # One array for every layer: one add, not one per layer, and a pass
+        # then makes its mask and write index once for all its attention
+        # layers (mtplx.compiled.SlotPass).
+        lengths = before + keep
         for c in self.trunk:
             if isinstance(c, SlotKVCache):
                 c.set_lengths(lengths, span)

@@ -112,8 +112,7 @@ def test_a_commit_hands_every_trunk_attention_cache_one_lengths_array(model):
     kv = [c for c in batch.trunk if isinstance(c, SlotKVCache)]
     for c in kv:
         c.lengths = mx.array([4, 7, 0], dtype=mx.int32)  # equal values, separate arrays
-    before = [c.lengths if isinstance(c, SlotKVCache) else None for c in batch.trunk]
-    batch.commit_trunk(before, mx.array([2, 3, 0], dtype=mx.int32), all_kept=False, span=12)
+    batch.commit_trunk(batch.trunk_lengths(), mx.array([2, 3, 0], dtype=mx.int32), all_kept=False, span=12)
     assert len(kv) > 1 and all(c.lengths is kv[0].lengths for c in kv)
     assert kv[0].lengths.tolist() == [6, 10, 0] and all(c.host_max == 12 for c in kv)
 
