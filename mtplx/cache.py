@@ -73,7 +73,9 @@ def put_rows(full: mx.array, rows: Sequence[int], values: Union[mx.array, float]
 
 
 def _finite_or_zero(x: mx.array) -> mx.array:
-    return mx.where(mx.isfinite(x), x, mx.zeros((), dtype=x.dtype))
+    # A Python 0.0 takes x's dtype and is a constant; mx.zeros((), dtype)
+    # was a Full node of its own in every attention layer's pass.
+    return mx.where(mx.isfinite(x), x, 0.0)
 
 
 def _query_positions(lengths: mx.array, T: int) -> mx.array:
