@@ -83,12 +83,6 @@ def _query_positions(lengths: mx.array, T: int) -> mx.array:
     return lengths[:, None] + mx.arange(T)[None, :]
 
 
-def write_index(lengths: mx.array, T: int) -> mx.array:
-    """int32 [B, 1, T, 1]: where a pass of T positions writes each row's
-    keys and values (row b from its length on)."""
-    return _query_positions(lengths, T)[:, None, :, None]
-
-
 class PassPositions(NamedTuple):
     """What every attention layer of one pass derives from the rows'
     lengths alone: which keys each query sees and where the new entries go.
@@ -97,7 +91,7 @@ class PassPositions(NamedTuple):
     pass makes them once for all its layers (`mtplx.compiled.SlotPass`)."""
 
     mask: mx.array  # bool [B, 1, T, S]: query t of row b sees keys j <= lengths[b] + t
-    write_index: mx.array  # int32 [B, 1, T, 1]
+    write_index: mx.array  # int32 [B, 1, T, 1]: where a pass writes each row's keys and values
 
 
 def pass_positions(lengths: mx.array, T: int, span: int) -> PassPositions:
@@ -150,7 +144,9 @@ class SlotKVCache:
         # so that position's logits still flag the row (mtplx.decide).
         keys, values = _finite_or_zero(keys), _finite_or_zero(values)
         self._reserve(self.host_max + T, keys, values)
-        idx = write_index(self.lengths, T) if self.positions is None else self.positions.write_index  # [B, 1, T, 1]
+        # (Outside a shared pass the mask made beside the index is never
+        # evaluated: nothing reads it.)
+        idx = (self.positions or pass_positions(self.lengths, T, self.host_max + T)).write_index  # [B, 1, T, 1]
         self.keys = mx.put_along_axis(
             self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2
         )
