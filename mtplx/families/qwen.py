@@ -205,6 +205,8 @@ def prepare_conv_taps(model) -> None:
         gdn = getattr(layer, "linear_attn", None)
         if gdn is not None and hasattr(gdn, "conv1d"):
             weight = gdn.conv1d.weight
+            if getattr(gdn, "conv_taps", (None,))[0] is weight:
+                continue  # split already (every runtime and cost sampler prepares the model)
             taps = _taps_of(weight)
             mx.eval(taps)
             # Beside the module's parameters, not among them: the taps are
