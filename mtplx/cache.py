@@ -20,6 +20,8 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .rope_angles import RopeSpec, rope_angles
+
 _STEP = 256  # capacity grows in multiples of this many positions
 
 
@@ -88,18 +90,27 @@ class PassPositions(NamedTuple):
     lengths alone: which keys each query sees and where the new entries go.
     On the CPU backend each is a handful of small ops that cost more to
     dispatch than to run; the trunk's layers all hold the same lengths, so a
-    pass makes them once for all its layers (`mtplx.compiled.SlotPass`)."""
+    pass makes them once for all its layers (`mtplx.compiled.SlotPass`).
+    So are the RoPE angles, where the layers rotate with them
+    (`mtplx.rope_angles`)."""
 
     mask: mx.array  # bool [B, 1, T, S]: query t of row b sees keys j <= lengths[b] + t
     write_index: mx.array  # int32 [B, 1, T, 1]: where a pass writes each row's keys and values
+    cos: Optional[mx.array] = None  # float32 [B, 1, T, dims/2] (None: each layer rotates on its own)
+    sin: Optional[mx.array] = None
+
+    def arrays(self) -> list:
+        return [a for a in self if a is not None]
 
 
-def pass_positions(lengths: mx.array, T: int, span: int) -> PassPositions:
+def pass_positions(lengths: mx.array, T: int, span: int, rope: Optional[RopeSpec] = None) -> PassPositions:
     """`PassPositions` of a pass of T positions reading `span` keys from
-    caches whose rows hold `lengths` [B] entries before it."""
+    caches whose rows hold `lengths` [B] entries before it, with the RoPE
+    angles of `rope` at those positions when given."""
     q = _query_positions(lengths, T)  # [B, T]
     mask = mx.arange(span)[None, None, :] <= q[:, :, None]  # [B, T, S]
-    return PassPositions(mask[:, None], q[:, None, :, None])
+    angles = rope_angles(lengths, T, rope) if rope is not None else (None, None)
+    return PassPositions(mask[:, None], q[:, None, :, None], *angles)
 
 
 class SlotKVCache:

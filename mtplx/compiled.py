@@ -27,6 +27,8 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 
 from .cache import PassPositions, SlotGDNCache, SlotKVCache, pass_positions, read_span
+from .cpu_activations import shared_rope_spec
+from .rope_angles import RopeSpec
 
 
 class SlotPass:
@@ -35,10 +37,11 @@ class SlotPass:
     leave them (KV lengths advanced by T, gated-delta state after all T steps,
     `pending` set when `keep_pending`)."""
 
-    def __init__(self, run: Callable, keep_pending: bool, compiled: bool = True):
+    def __init__(self, run: Callable, keep_pending: bool, compiled: bool = True, rope: Optional[RopeSpec] = None):
         self.run = run
         self.keep_pending = keep_pending
         self.compiled = compiled
+        self.rope = rope  # the RoPE whose angles its attention layers take from the pass (`mtplx.rope_angles`)
         self._kinds: tuple = ()
         self._fn = mx.compile(self._pure) if compiled else self._pure
 
@@ -58,7 +61,7 @@ class SlotPass:
             self._kinds = kinds
         needed = max((c.host_max for c in caches if isinstance(c, SlotKVCache)), default=0) + T
         span = common_span(caches, needed)
-        positions = _positions(caches, T, span, {} if shared is None else shared)
+        positions = _positions(caches, T, span, {} if shared is None else shared, self.rope)
         outs = self._fn(span_marker(span), *inputs, *positions, *_cache_arrays(caches))
         with_pending = self.keep_pending and T > 1
         n_run = len(outs) - _n_outputs(caches, T, with_pending)
@@ -68,13 +71,14 @@ class SlotPass:
 
     def _pure(self, span, *flat):
         n_arrays = sum(3 if k is SlotKVCache else 2 for k in self._kinds)
-        n_positions = 2 * self._kinds.count(SlotKVCache)  # a PassPositions per KV cache
+        per_cache = 2 if self.rope is None else 4
+        n_positions = per_cache * self._kinds.count(SlotKVCache)  # a PassPositions per KV cache
         inputs, arrays = flat[: len(flat) - n_arrays - n_positions], flat[len(flat) - n_arrays :]
         shadows = shadow_caches(self._kinds, arrays, T=_steps(inputs), span=span.shape[0])
         positions = iter(flat[len(inputs) : len(inputs) + n_positions])
         for s in shadows:
             if isinstance(s, SlotKVCache):
-                s.positions = PassPositions(next(positions), next(positions))
+                s.positions = PassPositions(*(next(positions) for _ in range(per_cache)))
         out = self.run(*inputs, shadows)
         out = list(out) if isinstance(out, tuple) else [out]
         return out + _shadow_outputs(shadows, self.keep_pending)
@@ -96,13 +100,14 @@ class StagedPass:
     slower (4.90 against 4.38 ms at depth 0): the gain is the overlap.
     Called like a SlotPass: `(inputs, caches, T)` -> (logits, hidden)."""
 
-    def __init__(self, model, keep_pending: bool, compiled: bool = True, layers_per_stage: int = 0):
+    def __init__(self, model, keep_pending: bool, compiled: bool = True, layers_per_stage: int = 0,
+                 rope: Optional[RopeSpec] = None):
         self.compiled = compiled
         n = len(model.layer_kinds)
         per_stage = layers_per_stage if layers_per_stage > 0 else n
         bounds = list(range(0, n, per_stage)) + [n]
         self.stages = [
-            (slice(a, b), SlotPass(_stage(model, a, b, first=a == 0, last=b == n), keep_pending, compiled))
+            (slice(a, b), SlotPass(_stage(model, a, b, first=a == 0, last=b == n), keep_pending, compiled, rope))
             for a, b in zip(bounds[:-1], bounds[1:])
         ]
 
@@ -126,7 +131,9 @@ def trunk_pass(model, keep_pending: bool, compiled: bool = True) -> StagedPass:
     """The runtime's trunk pass (the step, the verify and the prefill's last
     step), staged on the CPU."""
     cpu = mx.default_device() == mx.cpu
-    return StagedPass(model, keep_pending, compiled, CPU_LAYERS_PER_STAGE if cpu else 0)
+    if not cpu:
+        return StagedPass(model, keep_pending, compiled)
+    return StagedPass(model, keep_pending, compiled, CPU_LAYERS_PER_STAGE, shared_rope_spec(model))
 
 
 def _stage(model, start: int, stop: int, first: bool, last: bool) -> Callable:
@@ -154,7 +161,7 @@ def head_layer(head, j: int) -> Callable:
     return run
 
 
-def _positions(caches, T: int, span: int, shared: dict) -> list:
+def _positions(caches, T: int, span: int, shared: dict, rope: Optional[RopeSpec] = None) -> list:
     """The `PassPositions` of each KV cache among `caches` for a pass of T
     positions reading `span` keys (0: each cache's capacity), flattened as
     a compiled pass's inputs. Caches holding the same lengths array share
@@ -170,8 +177,8 @@ def _positions(caches, T: int, span: int, shared: dict) -> list:
         if isinstance(c, SlotKVCache):
             key = (id(c.lengths), T, span or c.keys.shape[2])
             if key not in shared:  # the lengths are kept with them, so that their id stays theirs
-                shared[key] = (c.lengths, pass_positions(c.lengths, T, key[2]))
-            out += shared[key][1]
+                shared[key] = (c.lengths, pass_positions(c.lengths, T, key[2], rope))
+            out += shared[key][1].arrays()
     return out
 
 

@@ -37,9 +37,12 @@ the model they decode with.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 
 from .gemm_layout import token_rows
+from .rope_angles import RopeSpec, matches_fast_rope, rotate, spec_of
 
 _LOG2E = 1.4426950408889634
 # ln 2 in two parts (Cody-Waite): n * _LN2_HI is exact for |n| < 2^15, so
@@ -185,7 +188,8 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
     values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
     if cache is not None:
-        queries, keys = _rope_together(self.rope, queries, keys, offset=cache.offset)
+        queries, keys = _rope_together(self.rope, queries, keys, offset=cache.offset,
+                                       angles=getattr(cache, "positions", None))
         keys, values = cache.update_and_fetch(keys, values)
     else:
         queries, keys = _rope_together(self.rope, queries, keys)
@@ -199,14 +203,40 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     return self.o_proj(output * gate).reshape(B, L, -1)
 
 
-def _rope_together(rope, queries: mx.array, keys: mx.array, **offset):
+def _rope_together(rope, queries: mx.array, keys: mx.array, angles=None, **offset):
     """queries [B, Hq, L, D] and keys [B, Hkv, L, D] rotated in one RoPE call
     over their heads side by side. On the CPU RoPE runs as ops (positions,
     their cos and sin, the rotation), so a call per tensor built those twice
-    a layer; each element gets the same arithmetic either way."""
-    both = rope(mx.concatenate([queries, keys], axis=1), **offset)  # [B, Hq + Hkv, L, D]
+    a layer; each element gets the same arithmetic either way. `angles`: a
+    pass's `PassPositions`, whose cos and sin, where it has them, were made
+    once for every layer of the pass (`shared_rope_spec`)."""
+    both = mx.concatenate([queries, keys], axis=1)  # [B, Hq + Hkv, L, D]
+    if angles is not None and angles.cos is not None:
+        both = rotate(both, rope.dims, angles.cos, angles.sin)
+    else:
+        both = rope(both, **offset)
     n = queries.shape[1]
     return both[:, :n], both[:, n:]
+
+
+def shared_rope_spec(model) -> Optional[RopeSpec]:
+    """The RoPE of every attention layer of the trunk, where each rotates
+    with a pass's angles (`_rope_together`): all are this module's Qwen
+    attention, all with one plain RoPE, and `rope_angles` gives that RoPE's
+    bits here. None otherwise (each layer then rotates on its own)."""
+    specs, head_dims = set(), set()
+    for layer, kind in zip(model.text_model.layers, model.layer_kinds):
+        if kind != "attn":
+            continue
+        attn = getattr(layer, "self_attn", None)
+        if getattr(type(attn), "__call__", None) is not _qwen_attention_call:
+            return None
+        specs.add(spec_of(attn.rope))
+        head_dims.add(int(attn.head_dim))
+    if len(specs) != 1 or None in specs or len(head_dims) != 1:
+        return None
+    spec = specs.pop()
+    return spec if matches_fast_rope(spec, head_dims.pop(), activation_dtype(model)) else None
 
 
 def _gated_norm_call(self, hidden_states: mx.array, gate=None) -> mx.array:
