@@ -103,3 +103,16 @@ def test_no_shared_angles_where_an_attention_layer_rotates_another_way(model, tm
     unprepared = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path, vocab_size=64))
     assert shared_rope_spec(unprepared) is None  # mlx-lm's own attention rotates with mx.fast.rope
 
+
+def test_bare_passes_hand_every_attention_layer_one_lengths_array(model, monkeypatch):
+    """The bare costs' trunk passes start as the runtime's do after a commit,
+    so they make their positions and angles once per pass, as its cycles do."""
+    from mtplx.costs import BareCostSampler
+
+    sampler = BareCostSampler(model, 2, depths=[2], context=6)
+    made = []
+    real = cache_module.rope_angles
+    monkeypatch.setattr(cache_module, "rope_angles", lambda *a: (made.append(a[1]), real(*a))[1])
+    for name in ("step", 2):
+        mx.eval(sampler.passes[name]())
+    assert made == [1, 3]
