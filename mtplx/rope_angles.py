@@ -4,7 +4,7 @@ On the CPU, `mx.fast.rope` runs as MLX's fallback ops: from the rows'
 offsets it builds the positions, the inverse frequencies, their product and
 its cosine and sine, then rotates. Every attention layer of a pass rotates
 at the same positions, yet in a staged pass (`mtplx.compiled.StagedPass`,
-one graph per layer) each layer built those angles again: 6 of the 75 nodes
+one graph per layer) each layer built those angles again: 8 of the 75 nodes
 of an attention layer's decode graph on the built-in model. A pass now
 builds them once (`cache.pass_positions`) with the fallback's own ops, in
 its order, and each layer rotates with them as the fallback does, so every
