@@ -83,3 +83,33 @@ def bf16_checkpoint(family, path):
         mx.save_safetensors(f, {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in tensors.items()},
                             metadata={"format": "pt"})
     return path
+
+
+def prefilled_slot_caches(model, B: int = 3, L: int = 20, one_lengths: bool = False) -> list:
+    """Slot caches of `model`'s trunk after a prompt of L tokens per row;
+    `one_lengths`: every KV cache holding one lengths array, as a commit
+    leaves the runtime's trunk (`SlotBatch.commit_trunk`)."""
+    from mtplx.cache import SlotKVCache, make_slot_caches
+
+    caches = make_slot_caches(model.layer_kinds, B)
+    prompts = mx.array([[(7 * b + 3 * i) % 60 + 1 for i in range(L)] for b in range(B)])  # [B, L]
+    model.forward(prompts, caches)
+    if one_lengths:
+        one = next(c.lengths for c in caches if isinstance(c, SlotKVCache))
+        for c in caches:
+            if isinstance(c, SlotKVCache):
+                c.lengths = one
+    mx.eval([a for c in caches for a in c.arrays])
+    return caches
+
+
+def slot_cache_state(caches) -> list:
+    """Every array the caches hold, a gated-delta layer's pending states included."""
+    from mtplx.cache import SlotGDNCache
+
+    out = []
+    for c in caches:
+        out += list(c.arrays)
+        if isinstance(c, SlotGDNCache) and c.pending is not None:
+            out += [c.pending[0], *c.pending[1]]
+    return out

@@ -8,12 +8,12 @@ import pytest
 import mtplx
 import mtplx.cache as cache_module
 import mtplx.rope_angles as rope_angles_module
-from mtplx.cache import SlotGDNCache, SlotKVCache, make_slot_caches
 from mtplx.compiled import StagedPass, trunk_pass
 from mtplx.cpu_activations import shared_rope_spec
 from mtplx.decode_model import prepare_for_decoding
 from mtplx.rope_angles import RopeSpec, matches_fast_rope, rope_angles, rotate
 from mtplx.testing import tiny_checkpoint
+from model_helpers import prefilled_slot_caches, slot_cache_state
 
 SPECS = [RopeSpec(6, 10000.0, 1.0), RopeSpec(64, 1e6, 1.0), RopeSpec(32, 500000.0, 0.25)]
 
@@ -54,40 +54,19 @@ def model(tmp_path_factory):
     return m
 
 
-def _prefilled(model, B=3, L=20):
-    caches = make_slot_caches(model.layer_kinds, B)
-    prompts = mx.array([[(5 * b + 3 * i) % 60 + 1 for i in range(L)] for b in range(B)])  # [B, L]
-    model.forward(prompts, caches)
-    one = next(c.lengths for c in caches if isinstance(c, SlotKVCache))
-    for c in caches:
-        if isinstance(c, SlotKVCache):
-            c.lengths = one  # as a commit leaves them (SlotBatch.commit_trunk)
-    mx.eval([a for c in caches for a in c.arrays])
-    return caches
-
-
-def _state(caches) -> list:
-    out = []
-    for c in caches:
-        out += list(c.arrays)
-        if isinstance(c, SlotGDNCache) and c.pending is not None:
-            out += [c.pending[0], *c.pending[1]]
-    return out
-
-
 @pytest.mark.parametrize("T", [1, 3])
 def test_a_trunk_pass_makes_its_rope_angles_once_and_leaves_the_bits_of_rotating_per_layer(model, monkeypatch, T):
     spec = shared_rope_spec(model)
     assert spec is not None and trunk_pass(model, keep_pending=True).stages[0][1].rope == spec
     tokens = mx.array([[5, 9, 11][:T]] * 3)  # [3, T]
-    per_layer, shared = _prefilled(model), _prefilled(model)
+    per_layer, shared = (prefilled_slot_caches(model, one_lengths=True) for _ in range(2))
     want = StagedPass(model, keep_pending=True, layers_per_stage=1)((tokens,), per_layer, T=T)
     made = []
     real = cache_module.rope_angles
     monkeypatch.setattr(cache_module, "rope_angles", lambda *a: (made.append(a[1:]), real(*a))[1])
     got = StagedPass(model, keep_pending=True, layers_per_stage=1, rope=spec)((tokens,), shared, T=T)
     assert model.layer_kinds.count("attn") > 1 and made == [(T, spec)]
-    for w, g in zip([*want, *_state(per_layer)], [*got, *_state(shared)], strict=True):
+    for w, g in zip([*want, *slot_cache_state(per_layer)], [*got, *slot_cache_state(shared)], strict=True):
         assert w.shape == g.shape and mx.array_equal(w, g).item()
 
 

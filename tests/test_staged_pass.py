@@ -5,9 +5,10 @@ import pytest
 
 import mtplx
 import mtplx.compiled as compiled
-from mtplx.cache import SlotGDNCache, SlotKVCache, make_slot_caches
+from mtplx.cache import SlotKVCache
 from mtplx.compiled import SlotPass, StagedPass
 from mtplx.testing import tiny_checkpoint
+from model_helpers import prefilled_slot_caches, slot_cache_state
 
 
 @pytest.fixture(scope="module")
@@ -16,33 +17,16 @@ def model(tmp_path_factory):
     return mtplx.load(tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("ckpt"), vocab_size=64))
 
 
-def _prefilled(model, B=3, L=20):
-    caches = make_slot_caches(model.layer_kinds, B)
-    prompts = mx.array([[(7 * b + 3 * i) % 60 + 1 for i in range(L)] for b in range(B)])  # [B, L]
-    model.forward(prompts, caches)
-    mx.eval([a for c in caches for a in c.arrays])
-    return caches
-
-
-def _state(caches) -> list:
-    out = []
-    for c in caches:
-        out += list(c.arrays)
-        if isinstance(c, SlotGDNCache) and c.pending is not None:
-            out += [c.pending[0], *c.pending[1]]
-    return out
-
-
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("layers_per_stage", [1, 2])
 def test_a_staged_pass_leaves_the_logits_caches_and_pending_states_of_the_one_graph_pass(model, T, layers_per_stage):
     tokens = mx.array([[5, 9, 11][:T]] * 3)  # [3, T]
-    one, staged = _prefilled(model), _prefilled(model)
+    one, staged = prefilled_slot_caches(model), prefilled_slot_caches(model)
     want = SlotPass(model.forward, keep_pending=True)((tokens,), one, T=T)
     run = StagedPass(model, keep_pending=True, layers_per_stage=layers_per_stage)
     assert len(run.stages) == -(-len(model.layer_kinds) // layers_per_stage) > 1
     got = run((tokens,), staged, T=T)
-    for w, g in zip([*want, *_state(one)], [*got, *_state(staged)], strict=True):
+    for w, g in zip([*want, *slot_cache_state(one)], [*got, *slot_cache_state(staged)], strict=True):
         assert w.shape == g.shape and mx.allclose(w, g, rtol=0, atol=1e-6).item()
     for a, b in zip(one, staged):
         if isinstance(a, SlotKVCache):
@@ -63,7 +47,7 @@ def test_each_stage_is_started_before_the_next_is_built(model, monkeypatch):
         return call
 
     run.stages = [(layers, recording(i, stage)) for i, (layers, stage) in enumerate(run.stages)]
-    logits, _ = run((mx.array([[5]] * 3),), _prefilled(model), T=1)
+    logits, _ = run((mx.array([[5]] * 3),), prefilled_slot_caches(model), T=1)
     mx.eval(logits)
     n = len(model.layer_kinds)
     assert events == [e for i in range(n) for e in (f"build {i}", "start")][:-1]
@@ -86,11 +70,7 @@ def test_attention_layers_holding_one_lengths_array_make_their_mask_and_write_in
     per layer leaves."""
     T = 3
     tokens = mx.array([[5, 9, 11]] * 3)  # [3, T]
-    per_layer, shared = _prefilled(model), _prefilled(model)
-    one = next(c.lengths for c in shared if isinstance(c, SlotKVCache))
-    for c in shared:
-        if isinstance(c, SlotKVCache):
-            c.lengths = one
+    per_layer, shared = prefilled_slot_caches(model), prefilled_slot_caches(model, one_lengths=True)
     made = []
     real = compiled.pass_positions
     monkeypatch.setattr(compiled, "pass_positions", lambda *a: (made.append(a[1:]), real(*a))[1])
@@ -101,7 +81,7 @@ def test_attention_layers_holding_one_lengths_array_make_their_mask_and_write_in
     made.clear()
     got = run((tokens,), shared, T=T)
     assert len(made) == 1
-    for w, g in zip([*want, *_state(per_layer)], [*got, *_state(shared)], strict=True):
+    for w, g in zip([*want, *slot_cache_state(per_layer)], [*got, *slot_cache_state(shared)], strict=True):
         assert w.shape == g.shape and mx.array_equal(w, g).item()
 
 
@@ -130,10 +110,10 @@ def test_conv_taps_split_ahead_of_the_passes_leave_what_splitting_in_every_pass_
     assert gdns
 
     def run():
-        caches = _prefilled(model)
+        caches = prefilled_slot_caches(model)
         out = SlotPass(model.forward, keep_pending=True)((tokens,), caches, T=3)
-        mx.eval(out, _state(caches))
-        return [*out, *_state(caches)]
+        mx.eval(out, slot_cache_state(caches))
+        return [*out, *slot_cache_state(caches)]
 
     for g in gdns:
         g.__dict__.pop("conv_taps", None)
