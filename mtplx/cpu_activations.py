@@ -211,7 +211,7 @@ def _rope_together(rope, queries: mx.array, keys: mx.array, angles=None, **offse
     pass's `PassPositions`, whose cos and sin, where it has them, were made
     once for every layer of the pass (`shared_rope_spec`)."""
     both = mx.concatenate([queries, keys], axis=1)  # [B, Hq + Hkv, L, D]
-    if angles is not None and angles.cos is not None:
+    if getattr(angles, "cos", None) is not None:
         both = rotate(both, rope.dims, angles.cos, angles.sin)
     else:
         both = rope(both, **offset)
