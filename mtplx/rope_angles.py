@@ -61,12 +61,16 @@ def rotate(x: mx.array, dims: int, cos: mx.array, sin: mx.array) -> mx.array:
     return mx.concatenate(parts, axis=-1)
 
 
+@lru_cache(maxsize=None)
 def _inverse_frequencies(spec: RopeSpec) -> mx.array:
     """float32 [dims/2]: exp(-i * log(base) / (dims/2)) for i = 0..dims/2-1,
-    with the fallback's float32 constant."""
+    with the fallback's float32 constant; made once per spec, not in every
+    pass (they depend on no position)."""
     half = spec.dims // 2
     step = np.float32(_logf(spec.base)) / np.float32(half)
-    return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(step, dtype=mx.float32))
+    freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(step, dtype=mx.float32))
+    mx.eval(freqs)
+    return freqs
 
 
 @lru_cache(maxsize=None)

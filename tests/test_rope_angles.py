@@ -41,10 +41,12 @@ def test_an_inverse_frequency_constant_one_unit_off_fails_the_bit_check(monkeypa
     right = rope_angles_module._logf(spec.base)
     monkeypatch.setattr(rope_angles_module, "_logf", lambda x: float(np.nextafter(np.float32(right), np.float32(1e9))))
     matches_fast_rope.cache_clear()
+    rope_angles_module._inverse_frequencies.cache_clear()
     try:
         assert not matches_fast_rope(spec, 64, mx.float32)
     finally:
         matches_fast_rope.cache_clear()
+        rope_angles_module._inverse_frequencies.cache_clear()
 
 
 @pytest.fixture(scope="module")
