@@ -202,70 +202,66 @@ def measure_cycle_costs(
     depths: Sequence[int],
     compiled: bool = True,
     prompt_len: int = 48,
-    max_tokens: int = 32,
     rounds: int = 5,
     bare: Union[BareCosts, "BareCostSampler", None] = None,
     bare_rounds_between: int = 2,
     temperature: float = 0.0,
+    burst: Optional[int] = None,
+    repeats: Optional[int] = None,
 ) -> CycleCosts:
     """Seconds per cycle of MTPLXRuntime at each depth, on `batch_size`
-    random prompts: runtimes at every depth take turns, in reverse every
-    other round (after a warm-up that traces and builds kernels), one short
-    decode each per round, greedy or sampled at `temperature` (a sampled
-    cycle also draws its drafts and decides acceptance on probabilities,
-    which a greedy one skips).
+    random prompts: in each round one decode whose cycles play a burst of
+    every depth between bursts of plain decoding (`depth_bursts`; after an
+    untimed round that traces and builds kernels), greedy or sampled at
+    `temperature` (a sampled cycle also draws its drafts and decides
+    acceptance on probabilities, which a greedy one skips). Deeper depths
+    go first in every other round.
 
-    A round's time for a depth is the median time from one cycle's launch
-    to the next (`runtime.launch_started`), leaving out the first, which
-    also writes the prefilled rows into the slots (about twice a cycle).
-    Launch to launch is a whole cycle on any backend: on the CPU a launch
-    returns when its compute is nearly done, on a GPU once the work is
-    queued, so launch times alone would miss a GPU's compute (on this CPU
-    both gave the same overhead to 0.01 in four calibrations at batch 4).
-    The median, not the mean, because on a shared VM single cycles stall.
-    Depth 0's cost is its fastest round; another depth's is that times the
-    median over rounds of its ratio to depth 0 in the same round, since
-    adjacent decodes share the machine's slow spells. Given `bare` costs of
+    A round gives depth 0 the median time from one plain cycle's launch to
+    the next and each other depth its ratio to the plain bursts beside its
+    own (`depth_bursts.burst_times`). Launch to launch is a whole cycle on
+    any backend: on the CPU a launch returns when its compute is nearly
+    done, on a GPU once the work is queued, so launch times alone would miss
+    a GPU's compute. Medians, not means, because on a shared VM single
+    cycles stall. Depth 0's cost is its fastest round; another depth's is
+    that times the median over rounds of its ratio. Given `bare` costs of
     the same batch size, the shape across depths comes from them instead
     (`_shaped_by_bare`), with their verify costs never falling with depth
     (`verify_never_falling`); given a `BareCostSampler`, it samples
     `bare_rounds_between` more rounds after each round of decodes and the
-    shape comes from all its rounds.
+    shape comes from all its rounds. `burst`, `repeats`: cycles per burst
+    and bursts of each depth per round (default `depth_bursts.BURST`,
+    `depth_bursts.REPEATS`).
     """
+    from . import depth_bursts
+    from .depth_bursts import BurstRuntime, burst_sequence, burst_times, tokens_bound
     from .mtp_patch import MTPContract
-    from .runtime import MTPLXRuntime
     from .sampling import SamplingParams
 
+    burst = burst or depth_bursts.BURST
+    repeats = repeats or depth_bursts.REPEATS
     sampling = SamplingParams(temperature=temperature)
-    if model.max_context is not None:  # prompt + max_tokens must fit the context
-        prompt_len = max(1, min(prompt_len, model.max_context // 2))
-        max_tokens = max(1, min(max_tokens, model.max_context - prompt_len))
+    if model.max_context is not None:  # prompt + every token the cycles may add must fit the context
+        room = model.max_context - min(prompt_len, model.max_context // 2) - 2
+        while repeats > 1 and tokens_bound(burst_sequence(depths, burst, repeats)) > room:
+            repeats -= 1
+        while burst > 2 and tokens_bound(burst_sequence(depths, burst, repeats)) > room:
+            burst -= 1
+        needed = tokens_bound(burst_sequence(depths, burst, repeats)) + 2
+        prompt_len = max(1, min(prompt_len, model.max_context // 2, model.max_context - needed))
+    sequences = [burst_sequence(depths, burst, repeats, reverse=r % 2 == 1) for r in range(2)]
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, model.vocab_size, (batch_size, prompt_len)).tolist()
     # Every cycle at the full batch size: that is the cost being calibrated.
-    runtimes = {
-        k: MTPLXRuntime(model, MTPContract(depth=k, compile=compiled, shrink_batch=False), max_batch=batch_size)
-        for k in depths
-    }
-    for rt in runtimes.values():
-        rt.eos = set()  # a random prompt's end of sequence would end its row before any cycle is timed
-    for rt in runtimes.values():
-        rt.generate(prompts, max_tokens=4, sampling=sampling)
+    contract = MTPContract(depth=max(depths), compile=compiled, shrink_batch=False)
+    runtime = BurstRuntime(model, contract, max_batch=batch_size)
+    runtime.play(prompts, sequences[0], sampling)  # traces every depth after every other
     times = {k: [] for k in depths}
-    order = list(runtimes.items())
     for r in range(rounds):
-        # Depths in turn, then in reverse: the machine speeding up or slowing
-        # over two rounds then favours no depth. In one fixed order, a slow
-        # spell that sets in after depth 0's decode prices every deeper cycle
-        # up, as it may have in one sampled calibration at batch 4: overhead
-        # 1.21 where five others gave 1.02-1.09, and its job ran plain
-        # decoding where depths 1 and 2 decoded 1.11-1.12x faster.
-        for k, rt in order if r % 2 == 0 else order[::-1]:
-            rt.launch_started.clear()
-            rt.generate(prompts, max_tokens=max_tokens, sampling=sampling)
-            steady = np.diff(list(rt.launch_started))[1:]
-            # every row can stop at once on a stop token: such a round has no time
-            times[k].append(float(np.median(steady)) if len(steady) else float("nan"))
+        sequence = sequences[r % 2]
+        plain, ratios = burst_times(sequence, runtime.play(prompts, sequence, sampling))
+        for k in depths:
+            times[k].append(plain if k == 0 else plain * ratios.get(k, float("nan")))
         if isinstance(bare, BareCostSampler):
             bare.sample(bare_rounds_between)
     if isinstance(bare, BareCostSampler):

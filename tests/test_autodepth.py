@@ -517,29 +517,48 @@ def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):
     from mtplx.costs import measure_cycle_costs
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
-    costs = measure_cycle_costs(model, 2, depths=range(3), max_tokens=6, rounds=1)
+    costs = measure_cycle_costs(model, 2, depths=range(3), burst=2, repeats=1, rounds=1)
     assert set(costs.seconds) == {0, 1, 2} and all(0 < s < 5 for s in costs.seconds.values())
     assert costs.overhead is None
     assert costs.step_s == costs.seconds[0] and costs.verify_s == {1: costs.seconds[1], 2: costs.seconds[2]}
     # The predicted speed-up divides cycle times directly.
     assert predicted_speedup(costs, [0.5, 0.25], 2) == pytest.approx(1.75 * costs.seconds[0] / costs.seconds[2])
 
-def test_cycle_costs_time_depths_in_reverse_every_other_round(tmp_path, monkeypatch):
-    # A machine slowing over a round would otherwise price the depths timed late in it up.
+def test_cycle_costs_play_every_depth_between_plain_bursts_deepest_first_every_other_round(tmp_path, monkeypatch):
+    # A slow spell then hits a depth and the plain cycles it is compared with
+    # alike, and a machine slowing over a round prices no depth up.
     from mtplx.costs import measure_cycle_costs
-    from mtplx.runtime import MTPLXRuntime
+    from mtplx.depth_bursts import BurstRuntime
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
-    timed, generate = [], MTPLXRuntime.generate
+    played, play = [], BurstRuntime.play
 
-    def recording(self, prompts, max_tokens=256, **kw):
-        if max_tokens == 6:  # the timed decodes (the warm-up's are shorter)
-            timed.append(self.depth)
-        return generate(self, prompts, max_tokens=max_tokens, **kw)
+    def recording(self, prompts, depths, sampling):
+        intervals = play(self, prompts, depths, sampling)
+        played.append((list(depths), len(intervals)))
+        return intervals
 
-    monkeypatch.setattr(MTPLXRuntime, "generate", recording)
-    measure_cycle_costs(model, 2, depths=range(3), max_tokens=6, rounds=3)
-    assert timed == [0, 1, 2, 2, 1, 0, 0, 1, 2]
+    monkeypatch.setattr(BurstRuntime, "play", recording)
+    measure_cycle_costs(model, 2, depths=range(3), burst=2, repeats=1, rounds=3)
+    forward, backward = [0, 0, 1, 1, 0, 0, 2, 2, 0, 0, 0], [0, 0, 2, 2, 0, 0, 1, 1, 0, 0, 0]
+    assert [d for d, _ in played] == [forward, forward, backward, forward]  # an untimed round, then 3
+    assert all(n == len(d) - 1 for d, n in played)  # every cycle ran: launch to launch, one fewer
+
+
+def test_a_bursts_cycles_count_only_after_a_cycle_of_its_own_depth_and_against_the_plain_bursts_beside_it():
+    from mtplx.depth_bursts import burst_times
+
+    played = [0, 0, 0, 1, 1, 1, 0, 0, 0, 2, 2, 2, 0, 0, 0]
+    # Interval i follows launch i. The first of each burst (i = 0, 3, 6, 9,
+    # 12) is left out: set to 100 here, it would move every median.
+    intervals = [100, 2, 2, 100, 3, 3, 100, 4, 4, 100, 10, 12, 100, 6]
+    plain, ratios = burst_times(played, intervals)
+    assert plain == pytest.approx(4.0)  # median of 2, 2, 4, 4, 6
+    assert ratios[1] == pytest.approx(3 / ((2 + 4) / 2))
+    assert ratios[2] == pytest.approx(11 / ((4 + 6) / 2))
+    # A decode cut short leaves the cycles after it untimed, not misread.
+    plain, ratios = burst_times(played, intervals[:8])
+    assert plain == pytest.approx(2.0) and ratios == {1: pytest.approx(1.0)}  # 3 against (2 + 4) / 2
 
 
 def test_cycle_costs_sample_a_bare_cost_sampler_between_their_rounds_and_take_its_shape(tmp_path, monkeypatch):
@@ -558,7 +577,7 @@ def test_cycle_costs_sample_a_bare_cost_sampler_between_their_rounds_and_take_it
             return BareCosts(batch_size=2, context=8, step_s=1.0, verify_s={1: 1.5, 2: 2.0}, head_s=0.0)
 
     monkeypatch.setattr(costs_module, "BareCostSampler", CountingSampler)  # what isinstance checks see
-    costs = measure_cycle_costs(model, 2, depths=range(3), max_tokens=6, rounds=3, bare=CountingSampler(),
+    costs = measure_cycle_costs(model, 2, depths=range(3), burst=2, repeats=1, rounds=3, bare=CountingSampler(),
                                 bare_rounds_between=2)
     assert calls == [2, 2, 2, "costs"]  # after every round of decodes, then the pooled costs
     assert costs.seconds[2] / costs.seconds[1] == pytest.approx(2.0 / 1.5)  # the sampler's shape
@@ -592,7 +611,7 @@ def test_calibration_takes_verify_costs_as_timed_with_depths_out_of_order_pooled
 
     monkeypatch.setattr(costs_module, "BareCostSampler", FixedSampler)
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
-    costs = measure_cycle_costs(model, 1, depths=range(4), max_tokens=6, rounds=1, bare=FixedSampler())
+    costs = measure_cycle_costs(model, 1, depths=range(4), burst=2, repeats=1, rounds=1, bare=FixedSampler())
     assert costs.seconds[3] / costs.seconds[2] == pytest.approx(line.cycle_s(3) / line.cycle_s(2))
 
 
