@@ -28,6 +28,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from .autodepth import DepthSequence, WarmUpDone
 from .runtime import MTPLXRuntime
 from .sampling import SamplingParams
 
@@ -35,34 +36,29 @@ BURST = 4  # cycles per burst; a burst's first cycle is not timed (below)
 REPEATS = 2  # bursts of each depth per round
 
 
-class SequenceDone(Exception):
-    """A `BurstRuntime` has played its whole sequence."""
-
-
 class BurstRuntime(MTPLXRuntime):
     """A runtime whose cycles run a given sequence of depths, whatever its
-    rows sample (calibration throws their tokens away), and stop after it.
-    Built at the deepest depth of the sequence."""
+    rows sample (calibration throws their tokens away), and stop after it
+    (`autodepth.DepthSequence`, as warm-up plays one; here it also holds
+    for rows sampling under the residual rule). Built at the deepest depth
+    of the sequence."""
 
     def play(self, prompts: List[List[int]], depths: Sequence[int], sampling: SamplingParams) -> List[float]:
         """Decode `prompts` through the cycles `depths`: the time from each
         cycle's launch to the next (one fewer than the cycles)."""
-        self._sequence = iter(depths)
+        self._sequence = DepthSequence(depths)
         self.launch_started.clear()
         eos, self.eos = self.eos, set()  # a random prompt's end of sequence would end its row early
         try:
             self.generate(prompts, sampling=sampling, max_tokens=tokens_bound(depths) + 2)
-        except SequenceDone:
+        except WarmUpDone:
             pass
         finally:
             self.eos = eos
         return list(np.diff(list(self.launch_started)))
 
     def _cycle_depth(self, batch, waiting) -> int:
-        k = next(self._sequence, None)
-        if k is None:
-            raise SequenceDone
-        return k
+        return self._sequence.choose()
 
 
 def burst_sequence(depths: Sequence[int], burst: int = BURST, repeats: int = REPEATS,
