@@ -242,13 +242,15 @@ def measure_cycle_costs(
     repeats = repeats or depth_bursts.REPEATS
     sampling = SamplingParams(temperature=temperature)
     if model.max_context is not None:  # prompt + every token the cycles may add must fit the context
-        room = model.max_context - min(prompt_len, model.max_context // 2) - 2
-        while repeats > 1 and tokens_bound(burst_sequence(depths, burst, repeats)) > room:
+        def needed():
+            return tokens_bound(burst_sequence(depths, burst, repeats)) + 2
+
+        room = model.max_context - min(prompt_len, model.max_context // 2)
+        while repeats > 1 and needed() > room:
             repeats -= 1
-        while burst > 2 and tokens_bound(burst_sequence(depths, burst, repeats)) > room:
+        while burst > 2 and needed() > room:
             burst -= 1
-        needed = tokens_bound(burst_sequence(depths, burst, repeats)) + 2
-        prompt_len = max(1, min(prompt_len, model.max_context // 2, model.max_context - needed))
+        prompt_len = max(1, min(prompt_len, model.max_context // 2, model.max_context - needed()))
     sequences = [burst_sequence(depths, burst, repeats, reverse=r % 2 == 1) for r in range(2)]
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, model.vocab_size, (batch_size, prompt_len)).tolist()
