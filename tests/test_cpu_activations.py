@@ -67,6 +67,70 @@ def test_fast_attention_matches_mlx_fast_attention(B, Hq, Hkv, L, S, mask_kind, 
     assert got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
 
 
+def _causal_masks(B: int, L: int, S: int, pad: int):
+    """A lower-right causal bool mask [L, S] and the same over rows whose
+    first `pad` keys are left padding [B, 1, L, S] (mlx-lm's batch caches)."""
+    causal = mx.arange(S)[None, :] <= (S - L + mx.arange(L))[:, None]  # [L, S]
+    padded = causal[None, None] & (mx.arange(S) >= mx.array([pad * b for b in range(B)])[:, None, None, None])
+    return causal, padded
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "causal_array", "causal_padded", "bool", "additive", "none"])
+def test_prompt_attention_in_query_blocks_matches_mlx_fast_attention(mask_kind):
+    from mtplx.cpu_activations import QUERY_BLOCK_MIN_ROWS, _query_block_rows
+
+    B, Hq, Hkv, L, S, D = 2, 4, 2, 72, 90, 8  # queries at positions 18..89, the last block ragged
+    rng = np.random.default_rng(7)
+    q, k = (mx.array(rng.normal(size=(B, h, n, D)).astype(np.float32)) for h, n in ((Hq, L), (Hkv, S)))
+    v = mx.array(rng.normal(size=(B, Hkv, S, 6)).astype(np.float32))
+    causal, padded = _causal_masks(B, L, S, pad=5)
+    mask = {
+        "causal": "causal",
+        "causal_array": causal,
+        "causal_padded": padded,
+        "bool": mx.array(rng.random((B, 1, L, S)) < 0.6) | (mx.arange(S) == 0),
+        "additive": mx.array(rng.normal(size=(B, 1, L, S)).astype(np.float32)),
+        "none": None,
+    }[mask_kind]
+    block_scores = B * Hq * QUERY_BLOCK_MIN_ROWS * S  # blocks of 16 query rows
+    assert _query_block_rows(B, Hq, L, S, block_scores) == QUERY_BLOCK_MIN_ROWS
+    got = fast_attention(q, k, v, 0.35, mask, causal=mask_kind.startswith("causal"), block_scores=block_scores)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
+    assert got.shape == want.shape and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+
+
+def test_a_causal_prompt_block_reads_no_key_after_its_last_query():
+    # A value past a block's last query is masked for the whole block, yet
+    # read it would turn the block's output NaN (0 x NaN): only the blocks
+    # whose queries reach it may see it.
+    B, H, L, D = 1, 2, 64, 8
+    rng = np.random.default_rng(8)
+    q, k = (mx.array(rng.normal(size=(B, H, L, D)).astype(np.float32)) for _ in range(2))
+    v = np.array(rng.normal(size=(B, H, L, D)).astype(np.float32))
+    v[:, :, 40] = np.nan  # position 40: the third block of 16 queries
+    blocked = fast_attention(q, k, mx.array(v), 0.35, "causal", block_scores=B * H * 16 * L)
+    finite = np.isfinite(np.array(blocked)).all(axis=(0, 1, 3))  # [L]
+    assert finite[:32].all() and not finite[32:].any()
+    whole = fast_attention(q, k, mx.array(v), 0.35, "causal")  # one block: every query reads every key
+    assert not np.isfinite(np.array(whole)).any()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_prompt_pass_with_blocked_attention_computes_what_mlx_lm_computes(tmp_path, monkeypatch, family):
+    import mtplx.cpu_activations as activations
+
+    path = tiny_checkpoint(family, tmp_path / family, vocab_size=48)
+    model, reference = mtplx.load(path), mtplx.load(path)
+    use_fast_activations(model)
+    monkeypatch.setattr(activations, "QUERY_BLOCK_SCORES", 4096)  # several blocks at these sizes
+    tokens = mx.array(np.random.default_rng(3).integers(1, 48, (3, 70)), dtype=mx.int32)
+    got, want = model.make_cache(), reference.make_cache()
+    for a, b in ((0, 40), (40, 70)):  # the second call's queries start at position 40
+        ours, _ = model.forward(tokens[:, a:b], got)
+        ref, _ = reference.forward(tokens[:, a:b], want)
+        assert mx.allclose(ours, ref, rtol=1e-4, atol=1e-5).item()
+
+
 @pytest.mark.parametrize("dims,traditional", [(2, False), (8, False), (8, True)])
 @pytest.mark.parametrize("offset", ["int", "per_row"])
 def test_rope_over_queries_and_keys_together_is_bit_identical_to_a_call_each(dims, traditional, offset):
