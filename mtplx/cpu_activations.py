@@ -29,6 +29,8 @@ exp-heavy op it replaces (`_swaps`) for subclasses that run the same ops
 with these exps: dense MLPs' SwiGLU, Qwen's attention (its softmax, as
 `fast_attention`, and the output gate) and gated RMSNorm, and the
 gated-delta conv's silu (read by MTPLX's own verify and prefill forwards).
+A prompt pass's attention runs in blocks of query rows, each reading keys
+up to its last query (`QUERY_BLOCK_SCORES`).
 Mixture-of-experts MLPs keep mlx-lm's. Only on the CPU: GPU backends
 vectorise exp. Like `gemm_layout`, `mtplx.load` leaves the model as mlx-lm
 computes it; the runtime and the cost measurements that plan for it swap
