@@ -141,8 +141,33 @@ def test_rope_over_queries_and_keys_together_is_bit_identical_to_a_call_each(dim
     q = mx.array(rng.normal(size=(3, 4, 5, 8)).astype(np.float32))
     k = mx.array(rng.normal(size=(3, 5, 2, 8)).astype(np.float32)).transpose(0, 2, 1, 3)  # a view, as in the layer
     kw = {"offset": 7} if offset == "int" else {"offset": mx.array([0, 13, 130], dtype=mx.int32)}
-    got_q, got_k = _rope_together(rope, q, k, **kw)
+    got_q, got_k = _rope_together(rope, mx.concatenate([q, k], axis=1), 4, **kw)
     assert mx.array_equal(got_q, rope(q, **kw)).item() and mx.array_equal(got_k, rope(k, **kw)).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_query_and_key_norms_side_by_side_are_bit_identical_to_a_norm_each(tmp_path, family):
+    from mtplx.cpu_activations import _normed_heads
+
+    model = mtplx.load(tiny_checkpoint(family, tmp_path / family, vocab_size=48))
+    use_fast_activations(model)
+    layers = [l.self_attn for l in model.text_model.layers if hasattr(l, "self_attn")]
+    assert layers and all(hasattr(a, "qk_norm_weights") for a in layers)
+    attn = layers[0]
+    rng = np.random.default_rng(9)
+    D, Hq, Hkv = attn.head_dim, attn.num_attention_heads, attn.num_key_value_heads
+    # distinct weights per norm, so that a swapped or shared weight would show
+    attn.q_norm.weight = mx.array(rng.normal(size=(D,)).astype(np.float32))
+    attn.k_norm.weight = mx.array(rng.normal(size=(D,)).astype(np.float32))
+    q = mx.array(rng.normal(0, 3, (2, 5, Hq, D)).astype(np.float32))
+    k = mx.array(rng.normal(0, 3, (2, 5, Hkv, D)).astype(np.float32))
+    want = mx.concatenate([attn.q_norm(q), attn.k_norm(k)], axis=2).transpose(0, 2, 1, 3)
+    assert mx.array_equal(_normed_heads(attn, q, k), want).item()  # weights replaced: a norm each
+    from mtplx.cpu_activations import prepare_qk_norms
+
+    prepare_qk_norms(model.trunk)
+    assert attn.qk_norm_weights[0] is attn.q_norm.weight
+    assert mx.array_equal(_normed_heads(attn, q, k), want).item()  # one norm over both, bit for bit
 
 
 @pytest.mark.parametrize("family", FAMILIES)
