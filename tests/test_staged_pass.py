@@ -1,6 +1,7 @@
 """The trunk pass run as a chain of per-layer graphs (mtplx.compiled.StagedPass)."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import mtplx
@@ -131,3 +132,23 @@ def test_conv_taps_split_ahead_of_the_passes_leave_what_splitting_in_every_pass_
         assert not all(mx.array_equal(a, b).item() for a, b in zip(split_once, changed))
     finally:
         first.conv1d.weight = old
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gated_delta_q_and_k_normalised_side_by_side_are_mlx_lms_normalize_qk_bit_for_bit(dtype):
+    from types import SimpleNamespace
+
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    from mtplx.families.qwen import split_qkv
+
+    Hk, Dk, Hv, Dv = 2, 32, 4, 24
+    gdn = SimpleNamespace(num_k_heads=Hk, head_k_dim=Dk, num_v_heads=Hv, head_v_dim=Dv, key_dim=Hk * Dk)
+    conv_out = mx.array(np.random.default_rng(6).normal(0, 3, (3, 5, 2 * Hk * Dk + Hv * Dv)).astype(np.float32))
+    conv_out = conv_out.astype(dtype)
+    q, k, v = split_qkv(gdn, conv_out)
+    q_in, k_in, v_in = (t.reshape(3, 5, -1, d) for t, d in zip(mx.split(conv_out, [Hk * Dk, 2 * Hk * Dk], -1), (Dk, Dk, Dv)))
+    q_ref, k_ref = normalize_qk(q_in, k_in, inv_scale=Dk**-0.5, eps=1e-6)
+    assert q.dtype == dtype and q.shape == (3, 5, Hk, Dk) and v.shape == (3, 5, Hv, Dv)
+    assert mx.array_equal(q, q_ref).item() and mx.array_equal(k, k_ref).item() and mx.array_equal(v, v_in).item()
+    assert not mx.array_equal(q, k_ref).item()  # q and k carry different scales

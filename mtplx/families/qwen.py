@@ -22,7 +22,7 @@ from typing import Dict, List
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.gated_delta import compute_g, normalize_qk
+from mlx_lm.models.gated_delta import compute_g
 
 from ..cache import SlotGDNCache
 from ..gemm_layout import token_rows
@@ -237,18 +237,19 @@ def _conv_activation(gdn):
 
 def split_qkv(gdn, conv_out):
     """The layer's conv output [B, S, C] -> normalised q, k [B, S, Hk, Dk] and
-    v [B, S, Hv, Dv], exactly as the layer's own forward does it."""
+    v [B, S, Hv, Dv], as the layer's own forward computes them (mlx-lm's
+    `normalize_qk`: an RMSNorm without weight, then the readout scale
+    squared on q and the scale on k), but with q and k normalised side by
+    side in one norm: every row gets the same ops, bit for bit, and a pass
+    has three nodes fewer per gated-delta layer."""
     B, S, _ = conv_out.shape
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
-    return q, k, v
+    Hk, Dk = gdn.num_k_heads, gdn.head_k_dim
+    qk = conv_out[..., : 2 * gdn.key_dim].reshape(B, S, 2 * Hk, Dk)  # q's heads, then k's
+    inv_scale = Dk**-0.5
+    scales = mx.array([inv_scale**2] * Hk + [inv_scale] * Hk, dtype=qk.dtype)[:, None]  # [2 Hk, 1]
+    qk = mx.fast.rms_norm(qk, None, 1e-6 * inv_scale**2) * scales  # normalize_qk's eps, on mean(x^2)
+    v = conv_out[..., 2 * gdn.key_dim :].reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    return qk[:, :, :Hk], qk[:, :, Hk:], v
 
 
 def gated_delta_verify(gdn, x, cache: SlotGDNCache):
