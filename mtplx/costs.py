@@ -243,7 +243,7 @@ def measure_cycle_costs(
     sampling = SamplingParams(temperature=temperature)
     if model.max_context is not None:  # prompt + every token the cycles may add must fit the context
         def needed():
-            return tokens_bound(burst_sequence(depths, burst, repeats)) + 2
+            return tokens_bound(burst_sequence(depths, burst, repeats))
 
         room = model.max_context - min(prompt_len, model.max_context // 2)
         while repeats > 1 and needed() > room:

@@ -50,7 +50,7 @@ class BurstRuntime(MTPLXRuntime):
         self.launch_started.clear()
         eos, self.eos = self.eos, set()  # a random prompt's end of sequence would end its row early
         try:
-            self.generate(prompts, sampling=sampling, max_tokens=tokens_bound(depths) + 2)
+            self.generate(prompts, sampling=sampling, max_tokens=tokens_bound(depths))
         except WarmUpDone:
             pass
         finally:
@@ -75,8 +75,10 @@ def burst_sequence(depths: Sequence[int], burst: int = BURST, repeats: int = REP
 
 
 def tokens_bound(depths: Sequence[int]) -> int:
-    """The most tokens a row can gain over these cycles (k + 1 each)."""
-    return sum(k + 1 for k in depths)
+    """The `max_tokens` a play of these cycles asks for: the most tokens a
+    row can gain over them (k + 1 each), plus the prefill's first token and
+    one to spare, so that no row ends before the last cycle."""
+    return sum(k + 1 for k in depths) + 2
 
 
 def burst_times(played: Sequence[int], intervals: Sequence[float]) -> Tuple[float, Dict[int, float]]:
