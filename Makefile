@@ -18,7 +18,7 @@ MLXENV = P=""; for l in $(OPENBLAS) $(JEMALLOC); do if [ -e $$l ]; then P="$$P $
   if [ -n "$$P" ]; then export LD_PRELOAD="$$P"; fi; \
   export OPENBLAS_THREAD_TIMEOUT=$${OPENBLAS_THREAD_TIMEOUT:-20};
 
-.PHONY: install run test test-all bench clean native-libs
+.PHONY: install run lint format test test-all bench clean native-libs
 
 install: native-libs $(STAMP)
 
@@ -48,7 +48,14 @@ run: install
 	$(MLXENV) $(VENV)/bin/mtplx run jobs/nightly.toml $(ARGS); rc=$$?; \
 	  if [ $$rc -le 1 ]; then echo "output: out/nightly/"; $(VENV)/bin/mtplx inspect out/nightly; fi; exit $$rc
 
-test: install
+# ruff: the formatter's import order and the linter's checks (pyproject.toml).
+lint: install
+	$(VENV)/bin/ruff check mtplx pipeline tests jobs
+
+format: install
+	$(VENV)/bin/ruff check --fix mtplx pipeline tests jobs
+
+test: install lint
 	$(MLXENV) $(PY) -m pytest -q -m "not slow" tests
 
 test-all: install

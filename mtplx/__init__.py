@@ -7,13 +7,19 @@ in pyarrow or the CLI.
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load": "mtplx.loader",
-    "MTPModel": "mtplx.loader",
-    "MTPContract": "mtplx.mtp_patch",
+    "load": "mtplx.models.loader",
+    "MTPModel": "mtplx.models.loader",
+    "load_tokenizer": "mtplx.models.loader",
+    "encode_text": "mtplx.models.loader",
+    "CheckpointError": "mtplx.models.adapter",
+    "supported_model_types": "mtplx.models.families",
+    "MTPContract": "mtplx.decode.contract",
+    "MAX_DEPTH": "mtplx.decode.contract",
     "MTPLXRuntime": "mtplx.runtime",
-    "Completion": "mtplx.runtime",
-    "Request": "mtplx.runtime",
-    "SamplingParams": "mtplx.sampling",
+    "Completion": "mtplx.decode.requests",
+    "Request": "mtplx.decode.requests",
+    "SamplingParams": "mtplx.decode.sampling",
+    "default_model_path": "mtplx.assets",
 }
 
 

@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .fp8_blocks import fp8_block_size
-from .tokenizer_files import write_char_tokenizer
+from mtplx.models.fp8 import fp8_block_size
+from mtplx.models.tokenizer_files import write_char_tokenizer
 
 FAMILIES: Dict[str, Callable] = {}
 
@@ -177,7 +177,7 @@ def _qwen_checkpoint(model_type: str, text_type: str, moe: bool, nested: bool):
     def build(o: dict):
         from mlx_lm.utils import _get_classes
 
-        from .families.qwen import QwenMTPHead
+        from mtplx.models.families.qwen import QwenMTPHead
 
         tc = _qwen_text_config(text_type, moe, o)
         if nested:
@@ -320,7 +320,7 @@ def _deepseek_checkpoint(model_type: str):
     def build(o: dict):
         from mlx_lm.utils import _get_classes
 
-        from .families.deepseek import DeepSeekMTPHead
+        from mtplx.models.families.deepseek import DeepSeekMTPHead
 
         config = _deepseek_family_config(model_type, o)
         model_cls, args_cls = _get_classes(copy.deepcopy(config))
@@ -386,7 +386,7 @@ def _mimo_config(o: dict) -> dict:
 def _mimo_checkpoint(o: dict):
     from mlx_lm.utils import _get_classes
 
-    from .families.mimo import MiMoMTPHead
+    from mtplx.models.families.mimo import MiMoMTPHead
 
     config = _mimo_config(o)
     model_cls, args_cls = _get_classes(copy.deepcopy(config))

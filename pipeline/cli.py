@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from .preload import reexec_with_preloads
 from .errors import EXIT_BAD_JOB, JobError
+from .preload import reexec_with_preloads
 
 
 class DepthType(click.ParamType):
@@ -27,7 +27,7 @@ class DepthType(click.ParamType):
             k = int(value)
         except ValueError:
             self.fail(f"{value!r} is not an integer or 'auto'", param, ctx)
-        from mtplx.mtp_patch import MAX_DEPTH
+        from mtplx import MAX_DEPTH
 
         if not 0 <= k <= MAX_DEPTH:
             self.fail(f"depth must be in 0..{MAX_DEPTH} (or 'auto')", param, ctx)

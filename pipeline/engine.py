@@ -30,7 +30,7 @@ class ModelRef:
 
 def resolve_model(path: Optional[str]) -> ModelRef:
     if path is None:
-        from mtplx.assets import default_model_path
+        from mtplx import default_model_path
 
         try:
             p, default = Path(default_model_path()), True
@@ -94,7 +94,7 @@ def max_context_of(config: dict) -> Optional[int]:
 
 def load_tokenizer(ref: ModelRef):
     """The tokenizer alone, without the weights (dry runs)."""
-    from mtplx.loader import load_tokenizer as load_checkpoint_tokenizer
+    from mtplx import load_tokenizer as load_checkpoint_tokenizer
 
     config = read_config(ref.path)
     try:
@@ -129,7 +129,7 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled
     `sampled_depth`: depth "auto"'s depth for sampled rows, as a resumed
     job's first run recorded it (else calibrated)."""
     import mtplx
-    from mtplx.runtime import Request
+    from mtplx import Request
 
     from .memory import size_runtime
 
@@ -162,7 +162,7 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled
 
 def sampling_params(spec: JobSpec):
     """The job's [sampling] as the runtime's SamplingParams (the seed travels apart)."""
-    from mtplx.sampling import SamplingParams
+    from mtplx import SamplingParams
 
     s = spec.sampling
     return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
@@ -178,7 +178,7 @@ def check_memory_cap(ref: ModelRef, spec: JobSpec) -> None:
 
 def _load_model(ref: ModelRef, lazy: bool = False):
     import mtplx
-    from mtplx.mtp_patch import CheckpointError
+    from mtplx import CheckpointError
 
     try:
         return mtplx.load(ref.path, lazy=lazy)

@@ -297,8 +297,3 @@ def first_invalid_text(values: pa.Array) -> Optional[int]:
         except UnicodeDecodeError:
             return i
     return None
-
-
-def column_type_name(schema: pa.Schema, name: str) -> Optional[str]:
-    i = schema.get_field_index(name)
-    return None if i < 0 else str(schema.field(i).type)

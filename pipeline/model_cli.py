@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from mtplx.bench import QUICK  # the make-bench settings: the command's defaults (no MLX import)
+from mtplx.bench.run import QUICK  # the make-bench settings: the command's defaults (no MLX import)
 
 
 def _fail(message: str):
@@ -33,8 +33,8 @@ def convert_cmd(src, dst, q_bits, q_group_size, keep_head_precision, dtype, over
     mlx-lm drops) is written next to it as mtp.safetensors, quantised with the
     trunk unless --keep-head-precision. `mtplx.load(DST)` then loads both.
     """
-    from mtplx.convert import convert, format_convert_report
-    from mtplx.mtp_patch import CheckpointError
+    from mtplx import CheckpointError
+    from mtplx.models.convert import convert, format_convert_report
 
     try:
         report = convert(src, dst, q_bits=int(q_bits) if q_bits else None, q_group_size=q_group_size,
@@ -51,12 +51,12 @@ def inspect_model_cmd(path, as_json):
     """Describe a checkpoint: family, trunk and head parameter counts,
     dtype/quantisation, head depth, and whether the MTP head is complete.
     Without PATH, the built-in default model."""
-    from mtplx.model_info import describe_model, format_model_description
-    from mtplx.mtp_patch import CheckpointError
+    from mtplx import CheckpointError
+    from mtplx.models.info import describe_model, format_model_description
 
     try:
         if path is None:
-            from mtplx.assets import default_model_path
+            from mtplx import default_model_path
 
             path = default_model_path()
         d = describe_model(path)
@@ -73,7 +73,7 @@ def train_tiny_cmd(out, steps, seed):
     """Train the small built-in default model (a Qwen3.5-family trunk with a
     trained MTP head) from this Python's standard library, and write it to
     OUT in the Hugging Face layout. Deterministic for a given seed."""
-    from mtplx.train_tiny import DEFAULT_STEPS, train_tiny
+    from mtplx.training.tiny import DEFAULT_STEPS, train_tiny
 
     meta = train_tiny(out, steps=steps or DEFAULT_STEPS, seed=seed)
     click.echo(f"wrote {out} ({meta.get('wall_seconds', 0):.0f} s)")
@@ -133,8 +133,8 @@ def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts,
     median of paired ratios, acceptance, and the bare step/verify/head costs
     that bound what speculation can gain.
     """
-    from mtplx.bench import prompts_by_batch_size, run_bench
-    from mtplx.bench_report import check_output_paths, format_table, write_plot
+    from mtplx.bench.report import check_output_paths, format_table, write_plot
+    from mtplx.bench.run import prompts_by_batch_size, run_bench
 
     try:
         check_output_paths(output, plot)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Union
 
-from mtplx.text_prompts import encode_text
+from mtplx import encode_text
 
 from .errors import JobError
 from .spec import PromptSpec

@@ -101,7 +101,7 @@ def numbered_shards(rows: Iterator[PromptRow], shard_rows: int, first: int) -> I
 
 def run_on_ray(job, opts, state: OutputState, started: float, log):
     """The Ray counterpart of `runner.run_locally`."""
-    from .runner import RunResult, finish_holding_signals, slots_for
+    from .job import RunResult, finish_holding_signals, slots_for
 
     ray = import_ray()
     spec, out = job.spec, state.path

@@ -27,8 +27,8 @@ from .ids import KeySet, id_hashes, row_keys
 from .outdir import LOCK, next_shard_part, remove_shard_temp_files, scan_keys, shard_part_files, shard_part_name
 from .plan import Plan
 from .reader import PromptRow
-from .runner import stream_rows
 from .spec import JobSpec
+from .streaming import stream_rows
 from .summary import peak_memory
 from .writer import PartWriter
 

@@ -7,27 +7,40 @@ import hashlib
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Optional
 
-from .engine import (ModelRef, OpenEngine, check_memory_cap, load_tokenizer, max_context_of, open_engine, read_config,
-                     resolve_model, sampling_params)
-from .errors import EXIT_OK, EXIT_ROW_ERRORS, JobError
+from .engine import (
+    OpenEngine,
+    check_memory_cap,
+    load_tokenizer,
+    max_context_of,
+    open_engine,
+    read_config,
+    resolve_model,
+)
+from .errors import EXIT_OK, JobError
 from .ids import KeySet, check_ids
-from .inputs import InputSource, open_input
-from .outdir import (AUTO_SAMPLED_DEPTH, SUMMARY, OutputState, open_output, output_in_use, output_lock, resume_note,
-                     start_output, write_json_atomic)
-from .packer import length_ordered, requests
-from .plan import Plan, make_plan
+from .inputs import open_input
+from .job import Prepared, RunResult, finish_holding_signals, slots_for
+from .outdir import (
+    AUTO_SAMPLED_DEPTH,
+    OutputState,
+    open_output,
+    output_in_use,
+    output_lock,
+    resume_note,
+    start_output,
+)
+from .plan import make_plan
 from .progress import Progress
 from .prompts import PromptEncoder
-from .reader import PromptRow, read_rows
-from .rows import completion_row, error_row
-from .scoring import make_scorer
+from .reader import read_rows
 from .signals import JobInterrupted, Stopper
 from .spec import JobSpec
-from .summary import build_summary, throughput
+from .streaming import stream_rows
+from .summary import throughput
 from .writer import PartWriter
 
 Log = Callable[[str], None]
@@ -41,28 +54,6 @@ class RunOptions:
     quiet: bool = False
     logprobs: bool = False  # on top of [generation] logprobs
     max_memory: Optional[int] = None  # overrides [batch] max_memory
-
-
-@dataclass
-class RunResult:
-    exit_code: int
-    summary: Optional[dict] = None
-    report: List[str] = field(default_factory=list)  # for stdout, unless --quiet
-    warnings: List[str] = field(default_factory=list)  # for stderr, always
-
-
-@dataclass
-class Prepared:
-    spec: JobSpec
-    ref: ModelRef
-    source: InputSource
-    plan: Plan
-    manifest: dict
-
-    @property
-    def output_rows(self) -> int:
-        """Rows the finished output holds: input rows x templates x samples."""
-        return self.source.num_rows * self.plan.variants * self.plan.n
 
 
 def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
@@ -149,43 +140,6 @@ def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_fact
         progress.close()
 
 
-def slots_for(spec: JobSpec, todo: int) -> JobSpec:
-    """The spec with no more decode slots than samples left to do: a cycle
-    computes every slot, and depth "auto" calibrates at the runtime's batch
-    size (a 5-row greedy job at the default 16 slots planned plain decoding
-    there; at 5 slots it speculates). Slots only schedule: a row's output
-    does not depend on them (`BatchSpec`)."""
-    if 0 < todo < spec.batch.max_batch:
-        return replace(spec, batch=replace(spec.batch, max_batch=todo))
-    return spec
-
-
-def finish_holding_signals(job: Prepared, out: Path, run: dict, runtime: dict, stopper: Stopper) -> RunResult:
-    """Every row is written: a signal now waits for summary.json, then still
-    gives 128 + signal, so whoever sent it sees that it was acted on.
-    `stopper` must be installed."""
-    result = None
-    try:
-        with stopper.critical():
-            result = finish_job(job, out, run, runtime)
-    except JobInterrupted as e:
-        msg = f"interrupted by {e} after the last row: the output and {SUMMARY} are complete"
-        return RunResult(128 + e.signum, result.summary, result.report, result.warnings + [msg])
-    return result
-
-
-def finish_job(job: Prepared, out: Path, run: dict, runtime: dict) -> RunResult:
-    """summary.json from the parts plus this run's figures; the exit code."""
-    model = {"path": str(job.ref.path), "default": job.ref.is_default, "fingerprint": job.ref.fingerprint}
-    summary = build_summary(out, name=job.spec.name, spec=job.spec.to_dict(), manifest=job.manifest, model=model,
-                            input_rows=job.source.num_rows, run=run, runtime=runtime)
-    write_json_atomic(out / SUMMARY, summary)
-    warnings = []
-    if summary["errors"]:
-        warnings.append(f"finished with {summary['errors']} row errors (see the error column of the part files)")
-    return RunResult(EXIT_ROW_ERRORS if summary["errors"] else EXIT_OK, summary, _final_lines(summary), warnings)
-
-
 def _save_finished_rows(writer: PartWriter) -> None:
     """On an unexpected failure keep what is finished; the original error wins."""
     try:
@@ -197,47 +151,6 @@ def _save_finished_rows(writer: PartWriter) -> None:
 def _stream(job: Prepared, engine, state: OutputState, writer: PartWriter, progress: Progress) -> None:
     encoder = PromptEncoder(job.spec.prompt, engine.tokenizer)
     stream_rows(read_rows(job.source, job.plan, encoder, state.done), job.plan, engine, writer, progress)
-
-
-def stream_rows(rows: Iterable[PromptRow], plan: Plan, engine, writer: PartWriter, progress) -> None:
-    """Prompt rows -> length order -> the runtime -> output rows in `writer`;
-    `progress.row(...)` is told about every row. The Ray actors run this too."""
-    spec = plan.spec
-    sampling = sampling_params(spec)
-    scorer = make_scorer(spec.evaluation) if spec.evaluation else None
-    inflight: dict = {}
-
-    def on_error(r: PromptRow) -> None:
-        for sample in r.todo:
-            writer.add(error_row(plan, r, sample))
-            progress.row(0, 0, 0, error=True)
-
-    ordered = length_ordered(rows, spec.batch.window, on_error)
-    feed = requests(ordered, plan, engine.request_type, sampling, inflight)
-    for c in engine.stream(feed, seed=spec.sampling.seed):
-        r = inflight[c.index]
-        r.pending -= 1
-        if r.pending == 0:
-            del inflight[c.index]
-        if c.sample_index not in r.todo:
-            continue  # this sample was already in the output (a partly done row)
-        writer.add(completion_row(plan, r, c, scorer))
-        progress.row(len(c.tokens), sum(c.drafted_by_depth), sum(c.accepted_by_depth), c.finish_reason == "error")
-
-
-def _final_lines(summary: dict) -> List[str]:
-    lines = [
-        f"{summary['job']}: {summary['rows']} rows in {summary['output_dir']} "
-        f"({summary['rows_this_run']} this run, {summary['wall_seconds']:.1f} s); "
-        f"acceptance {_fmt(summary.get('acceptance_rate'))}, "
-        f"mean accepted length {_fmt(summary.get('mean_accepted_length'))}"
-        + (f", accuracy {_fmt(summary.get('accuracy'))}" if "accuracy" in summary else "")
-    ]
-    return lines
-
-
-def _fmt(v) -> str:
-    return "-" if v is None else f"{v:.3f}"
 
 
 # ------------------------------------------------------------------ dry run

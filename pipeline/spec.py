@@ -13,12 +13,13 @@ import math
 import os
 import re
 import string
-import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-from mtplx.mtp_patch import MAX_DEPTH
+import tomllib
+
+from mtplx import MAX_DEPTH
 
 from .errors import JobError
 

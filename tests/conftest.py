@@ -97,7 +97,7 @@ class FakeRuntime:
     def stream(self, requests, seed=0):
         import heapq
 
-        from mtplx.completion import error_completion
+        from mtplx.decode.requests import error_completion
 
         live = []  # heap of (order hash, request index, sample, request): any order, deterministic
         it = iter(requests)
@@ -121,7 +121,7 @@ class FakeRuntime:
                 yield self._complete(req, s, seed)
 
     def _complete(self, req, s, seed):
-        from mtplx.completion import Completion
+        from mtplx.decode.requests import Completion
 
         base = _h(req.row_id, s, seed, tuple(req.prompt))
         n = 1 + base % req.max_tokens
@@ -144,8 +144,7 @@ def _h(*parts) -> int:
 
 def fake_engine_factory(max_context=None):
     """An engine_factory for pipeline.runner.run_job that loads no model."""
-    from mtplx.completion import Request
-
+    from mtplx.decode.requests import Request
     from pipeline.engine import Engine
 
     def open_fake(ref, spec, max_memory, sampled_depth=None):

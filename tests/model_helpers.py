@@ -89,7 +89,7 @@ def prefilled_slot_caches(model, B: int = 3, L: int = 20, one_lengths: bool = Fa
     """Slot caches of `model`'s trunk after a prompt of L tokens per row;
     `one_lengths`: every KV cache holding one lengths array, as a commit
     leaves the runtime's trunk (`SlotBatch.commit_trunk`)."""
-    from mtplx.cache import SlotKVCache, make_slot_caches
+    from mtplx.decode.cache import SlotKVCache, make_slot_caches
 
     caches = make_slot_caches(model.layer_kinds, B)
     prompts = mx.array([[(7 * b + 3 * i) % 60 + 1 for i in range(L)] for b in range(B)])  # [B, L]
@@ -105,7 +105,7 @@ def prefilled_slot_caches(model, B: int = 3, L: int = 20, one_lengths: bool = Fa
 
 def slot_cache_state(caches) -> list:
     """Every array the caches hold, a gated-delta layer's pending states included."""
-    from mtplx.cache import SlotGDNCache
+    from mtplx.decode.cache import SlotGDNCache
 
     out = []
     for c in caches:

@@ -7,8 +7,8 @@ import pytest
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
-from mtplx.autodepth import DEPTH_TOLERANCE, HOLD_DEEPER, SINGLE_ROW_JOB_TIE, best_depth
-from mtplx.costs import BareCosts, CycleCosts, ideal_tokens_per_cycle, predicted_speedup
+from mtplx.autodepth.costs import BareCosts, CycleCosts, ideal_tokens_per_cycle, predicted_speedup
+from mtplx.autodepth.policy import DEPTH_TOLERANCE, HOLD_DEEPER, SINGLE_ROW_JOB_TIE, best_depth
 from mtplx.testing import tiny_checkpoint
 
 
@@ -68,7 +68,7 @@ def test_auto_depth_runtime_records_its_choice_and_decodes_like_plain_greedy(tmp
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
     auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
     record = auto.stats["auto_depth"]
-    assert record["depth"] == auto.auto.job_depth and 0 <= auto.auto.job_depth <= auto.depth <= 3
+    assert record["depth"] == auto.policy.job_depth and 0 <= auto.policy.job_depth <= auto.depth <= 3
     assert set(record["predicted_speedup"]) == {"0", "1", "2", "3"}
     plain = MTPLXRuntime(model, MTPContract(depth=0), max_batch=2)
     assert [o.tokens for o in auto.generate(prompts, max_tokens=6)] == [o.tokens for o in plain.generate(prompts, max_tokens=6)]
@@ -99,7 +99,7 @@ def _fake_cycle_costs(calls, greedy, sampled):
 
 
 def test_the_job_depth_of_sampled_rows_is_priced_on_sampled_cycles(tmp_path, monkeypatch):
-    import mtplx.autodepth as autodepth
+    import mtplx.autodepth.calibration as autodepth
 
     # The default prior (no training.json) predicts depth 2 at 1.5x plain on
     # these greedy cycles; cycles that also draw their drafts cost enough
@@ -111,31 +111,31 @@ def test_the_job_depth_of_sampled_rows_is_priced_on_sampled_cycles(tmp_path, mon
     auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
     record = auto.stats["auto_depth"]
     assert calls == [0.0, 1.0]
-    assert auto.auto.job_depth == record["depth"] == 0
+    assert auto.policy.job_depth == record["depth"] == 0
     assert record["cycle_costs_sampled"]["cycle_s"]["1"] == 1.6
     assert max(record["predicted_speedup_sampled"].values()) == 1.0  # depth 0's
-    assert auto.auto.controller is not None  # greedy rows still speculate, on greedy cycles' prices
+    assert auto.policy.controller is not None  # greedy rows still speculate, on greedy cycles' prices
     # Where sampled cycles cost what greedy ones do, the same prices keep depth 2.
     calls.clear()
     monkeypatch.setattr(autodepth, "measure_cycle_costs", _fake_cycle_costs(
         calls, greedy={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, sampled={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}))
-    assert MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2).auto.job_depth == 2
+    assert MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2).policy.job_depth == 2
 
 
 def test_sampled_cycles_are_not_timed_where_greedy_pricing_already_keeps_sampled_rows_plain(tmp_path, monkeypatch):
-    import mtplx.autodepth as autodepth
+    import mtplx.autodepth.calibration as autodepth
 
     calls = []
     slow = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}  # no depth pays even on greedy cycles
     monkeypatch.setattr(autodepth, "measure_cycle_costs", _fake_cycle_costs(calls, greedy=slow, sampled=slow))
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
     auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
-    assert calls == [0.0] and auto.auto.job_depth == 0
+    assert calls == [0.0] and auto.policy.job_depth == 0
     assert "cycle_costs_sampled" not in auto.stats["auto_depth"]
 
 
 def test_auto_falls_back_to_plain_decoding_when_calibration_times_no_cycle(tmp_path, monkeypatch):
-    import mtplx.autodepth as autodepth
+    import mtplx.autodepth.calibration as autodepth
 
     nan = float("nan")
     monkeypatch.setattr(autodepth, "measure_cycle_costs",
@@ -150,12 +150,11 @@ def test_auto_falls_back_to_plain_decoding_when_calibration_times_no_cycle(tmp_p
 
 # -- the running controller ------------------------------------------------------
 
-import numpy as np
-
-from mtplx.autodepth import EXPLORE_CYCLES, MEASURE_PLAIN_BURSTS, AutoDepth, DepthController, conditional_rates
-from mtplx.sampling import SamplingParams
 
 from model_helpers import make_predictable
+
+from mtplx.autodepth.policy import EXPLORE_CYCLES, MEASURE_PLAIN_BURSTS, AutoDepth, DepthController, conditional_rates
+from mtplx.decode.sampling import SamplingParams
 
 
 def test_conditional_rates_divide_each_cumulative_rate_by_the_one_before():
@@ -380,7 +379,7 @@ class _Scripted:
 
 def _with_scripted_auto(model, script, job_depth=2, max_batch=3, acceptance="residual"):
     rt = MTPLXRuntime(model, MTPContract(depth=3, acceptance=acceptance), max_batch=max_batch)
-    rt.auto = AutoDepth(job_depth, 3, _Scripted(script), {"cycles_by_depth": {str(k): 0 for k in range(4)}})
+    rt.policy = AutoDepth(job_depth, 3, _Scripted(script), {"cycles_by_depth": {str(k): 0 for k in range(4)}})
     return rt
 
 
@@ -396,9 +395,9 @@ def test_greedy_output_is_plain_greedy_while_the_depth_changes_every_cycle(predi
     rt = _with_scripted_auto(predictable_qwen, [3, 1, 2, 3, 3, 1, 2])
     got = rt.generate(prompts, max_tokens=14)
     assert [c.tokens for c in got] == [c.tokens for c in plain]
-    used = rt.auto.record["cycles_by_depth"]
+    used = rt.policy.record["cycles_by_depth"]
     assert all(used[str(k)] > 0 for k in (1, 2, 3))
-    assert rt.auto.controller.seen > 0
+    assert rt.policy.controller.seen > 0
     accepted = sum(sum(c.accepted_by_depth) for c in got)
     assert accepted > 0  # the drafts were really used, not just skipped
 
@@ -409,11 +408,11 @@ def test_switching_speculation_off_mid_job_keeps_greedy_output_exact(predictable
     rt = _with_scripted_auto(predictable_qwen, [2, 2, 3] + [0] * 200)
     got = rt.generate(prompts, max_tokens=12)
     assert [c.tokens for c in got] == [c.tokens for c in plain]
-    assert rt.auto.record["cycles_by_depth"]["0"] > 0
+    assert rt.policy.record["cycles_by_depth"]["0"] > 0
 
 
 def test_prompts_prefilled_while_speculation_is_off_skip_the_head_and_still_decode_exactly(predictable_qwen, monkeypatch):
-    import mtplx.runtime as runtime
+    import mtplx.decode.runtime as runtime
 
     heads = []
     prefill = runtime.prefill_by_length
@@ -426,18 +425,18 @@ def test_prompts_prefilled_while_speculation_is_off_skip_the_head_and_still_deco
     # when each prompt is prefilled; then its cycles speculate anyway, as
     # after a probe: every row drafts from a head that never saw its prompt.
     rt = _with_scripted_auto(predictable_qwen, [2, 3, 1], job_depth=0, max_batch=2)
-    rt.auto.controller.off = True
+    rt.policy.controller.off = True
     got = rt.generate(prompts, max_tokens=12)
     assert heads and not any(heads)
     assert [c.tokens for c in got] == [c.tokens for c in plain]
     assert sum(sum(c.drafted_by_depth) for c in got) > 0
     # On (or with a job depth for sampled rows), the head runs over the prompts.
     heads.clear()
-    rt.auto.controller.off = False
+    rt.policy.controller.off = False
     assert [c.tokens for c in rt.generate(prompts, max_tokens=12)] == [c.tokens for c in plain]
     assert heads and all(heads)
     heads.clear()
-    rt.auto.controller.off, rt.auto.job_depth = True, 1
+    rt.policy.controller.off, rt.policy.job_depth = True, 1
     rt.generate(prompts[:2], max_tokens=4)
     assert heads == [True]
 
@@ -445,10 +444,10 @@ def test_prompts_prefilled_while_speculation_is_off_skip_the_head_and_still_deco
 def test_the_runtime_tells_the_controller_whether_anything_waits_to_refill_the_batch(predictable_qwen):
     rt = _with_scripted_auto(predictable_qwen, [0], max_batch=2)
     rt.generate([[3, 4, 5], [7, 8, 9]], max_tokens=5)  # one batch: nothing waits from the first cycle
-    assert rt.auto.controller.draining[0] is True
-    rt.auto.controller.draining.clear()
+    assert rt.policy.controller.draining[0] is True
+    rt.policy.controller.draining.clear()
     rt.generate([[3, 4, 5], [7, 8, 9], [5, 6], [9, 10, 11]], max_tokens=5)  # two wait at first
-    flags = rt.auto.controller.draining
+    flags = rt.policy.controller.draining
     assert flags[0] is False and True in flags
 
 
@@ -460,7 +459,7 @@ def test_coupled_sampling_under_a_moving_depth_equals_plain_keyed_sampling(predi
     rt = _with_scripted_auto(predictable_qwen, [1, 3, 2], acceptance="coupled")
     got = rt.generate(prompts, sampling=sp, max_tokens=12, seed=5)
     assert [c.tokens for c in got] == [c.tokens for c in want]
-    used = rt.auto.record["cycles_by_depth"]
+    used = rt.policy.record["cycles_by_depth"]
     assert all(used[str(k)] > 0 for k in (1, 2, 3))
 
 
@@ -468,7 +467,7 @@ def test_rows_sampling_under_the_residual_rule_always_run_at_the_job_depth(predi
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12]]
     rt = _with_scripted_auto(predictable_qwen, [1, 3], job_depth=2)
     got = rt.generate(prompts, sampling=SamplingParams(temperature=1.0), max_tokens=10, seed=1)
-    used = rt.auto.record["cycles_by_depth"]
+    used = rt.policy.record["cycles_by_depth"]
     assert used["2"] > 0 and used["1"] == used["3"] == used["0"] == 0
     # ...and so each row's output is what a fixed depth-2 job gives it.
     fixed = MTPLXRuntime(predictable_qwen, MTPContract(depth=2), max_batch=3)
@@ -477,8 +476,8 @@ def test_rows_sampling_under_the_residual_rule_always_run_at_the_job_depth(predi
 
 
 def test_prior_is_the_checkpoints_recorded_acceptance_extended_geometrically(tmp_path):
-    from mtplx.autodepth import acceptance_prior, extend_geometrically
     from mtplx.assets import default_model_path
+    from mtplx.autodepth.policy import acceptance_prior, extend_geometrically
 
     assert extend_geometrically([0.8, 0.4], 4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
     # The built-in model records the runtime's own acceptance, greedy and sampled, at depths 1-3.
@@ -514,7 +513,7 @@ def test_a_greedy_prior_that_does_not_pay_starts_the_controller_off():
 
 
 def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):
-    from mtplx.costs import measure_cycle_costs
+    from mtplx.autodepth.calibration import measure_cycle_costs
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
     costs = measure_cycle_costs(model, 2, depths=range(3), burst=2, repeats=1, rounds=1)
@@ -527,18 +526,18 @@ def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):
 def test_cycle_costs_play_every_depth_between_plain_bursts_deepest_first_every_other_round(tmp_path, monkeypatch):
     # A slow spell then hits a depth and the plain cycles it is compared with
     # alike, and a machine slowing over a round prices no depth up.
-    from mtplx.costs import measure_cycle_costs
-    from mtplx.depth_bursts import BurstRuntime
+    from mtplx.autodepth import bursts
+    from mtplx.autodepth.calibration import measure_cycle_costs
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
-    played, play = [], BurstRuntime.play
+    played, play = [], bursts.play
 
-    def recording(self, prompts, depths, sampling):
-        intervals = play(self, prompts, depths, sampling)
+    def recording(runtime, prompts, depths, sampling):
+        intervals = play(runtime, prompts, depths, sampling)
         played.append((list(depths), len(intervals)))
         return intervals
 
-    monkeypatch.setattr(BurstRuntime, "play", recording)
+    monkeypatch.setattr(bursts, "play", recording)
     measure_cycle_costs(model, 2, depths=range(3), burst=2, repeats=1, rounds=3)
     forward, backward = [0, 0, 1, 1, 0, 0, 2, 2, 0, 0, 0], [0, 0, 2, 2, 0, 0, 1, 1, 0, 0, 0]
     assert [d for d, _ in played] == [forward, forward, backward, forward]  # an untimed round, then 3
@@ -546,7 +545,7 @@ def test_cycle_costs_play_every_depth_between_plain_bursts_deepest_first_every_o
 
 
 def test_a_bursts_cycles_count_only_after_a_cycle_of_its_own_depth_and_against_the_plain_bursts_beside_it():
-    from mtplx.depth_bursts import burst_times
+    from mtplx.autodepth.bursts import burst_times
 
     played = [0, 0, 0, 1, 1, 1, 0, 0, 0, 2, 2, 2, 0, 0, 0]
     # Interval i follows launch i. The first of each burst (i = 0, 3, 6, 9,
@@ -562,8 +561,8 @@ def test_a_bursts_cycles_count_only_after_a_cycle_of_its_own_depth_and_against_t
 
 
 def test_cycle_costs_sample_a_bare_cost_sampler_between_their_rounds_and_take_its_shape(tmp_path, monkeypatch):
-    import mtplx.costs as costs_module
-    from mtplx.costs import measure_cycle_costs
+    import mtplx.autodepth.calibration as costs_module
+    from mtplx.autodepth.calibration import measure_cycle_costs
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
     calls = []
@@ -584,8 +583,9 @@ def test_cycle_costs_sample_a_bare_cost_sampler_between_their_rounds_and_take_it
 
 
 def test_calibration_takes_verify_costs_as_timed_with_depths_out_of_order_pooled(tmp_path, monkeypatch):
-    import mtplx.costs as costs_module
-    from mtplx.costs import measure_cycle_costs, verify_never_falling
+    import mtplx.autodepth.calibration as costs_module
+    from mtplx.autodepth.calibration import measure_cycle_costs
+    from mtplx.autodepth.costs import verify_never_falling
 
     exact = BareCosts(batch_size=1, context=8, step_s=3.0, verify_s={1: 3.6, 2: 4.0, 3: 4.4}, head_s=0.2)
     assert verify_never_falling(exact).verify_s == pytest.approx(exact.verify_s)
@@ -616,7 +616,7 @@ def test_calibration_takes_verify_costs_as_timed_with_depths_out_of_order_pooled
 
 
 def test_cycle_costs_are_depth0s_fastest_round_times_each_depths_median_same_round_ratio():
-    from mtplx.costs import _anchored_to
+    from mtplx.autodepth.costs import _anchored_to
 
     nan = float("nan")
     # Round 2 was a slow spell for every depth; round 3 stalled depth 1 alone.
@@ -633,7 +633,7 @@ def test_cycle_costs_are_depth0s_fastest_round_times_each_depths_median_same_rou
 
 
 def test_with_bare_costs_the_shape_across_depths_is_theirs_and_the_overhead_is_pooled():
-    from mtplx.costs import BareCosts, _shaped_by_bare
+    from mtplx.autodepth.costs import BareCosts, _shaped_by_bare
 
     nan = float("nan")
     bare = BareCosts(batch_size=4, context=64, step_s=5.0, verify_s={1: 7.0, 2: 8.0, 3: 9.0}, head_s=0.5)
@@ -651,8 +651,8 @@ def test_with_bare_costs_the_shape_across_depths_is_theirs_and_the_overhead_is_p
 def _plant_calibration(monkeypatch, cycle_s: dict):
     """plan_auto_depth's calibration, without timing anything: every depth's
     cycle (and bare pass) costs cycle_s[k]."""
-    import mtplx.autodepth as autodepth
-    from mtplx.costs import CycleCosts
+    import mtplx.autodepth.calibration as autodepth
+    from mtplx.autodepth.costs import CycleCosts
 
     class PlantedSampler:
         def __init__(self, model, batch_size, *a, **k):
@@ -672,7 +672,7 @@ def _plant_calibration(monkeypatch, cycle_s: dict):
 def test_greedy_rows_keep_a_controller_on_any_predicted_gain_and_start_speculating_past_the_margin(monkeypatch):
     import types
 
-    import mtplx.autodepth as autodepth
+    import mtplx.autodepth.calibration as autodepth
 
     _plant_calibration(monkeypatch, {0: 10.0, 1: 14.0})
     model = types.SimpleNamespace(head=object())
@@ -693,8 +693,8 @@ def test_greedy_rows_keep_a_controller_on_any_predicted_gain_and_start_speculati
 def test_a_job_depth_at_batch_1_is_the_fastest_predicted_while_larger_batches_keep_the_tolerance(monkeypatch):
     import types
 
-    import mtplx.autodepth as autodepth
-    from mtplx.costs import CycleCosts
+    import mtplx.autodepth.calibration as autodepth
+    from mtplx.autodepth.costs import CycleCosts
 
     cycle_s = {0: 10.0, 1: 12.0, 2: 14.0, 3: 16.0}
     _plant_calibration(monkeypatch, cycle_s)
@@ -723,7 +723,7 @@ def test_speculation_back_on_after_an_off_spell_keeps_greedy_output_exact(predic
     rt = _with_scripted_auto(predictable_qwen, [2, 3, 0, 0, 0, 2, 3, 1, 0, 3, 0, 0, 1])
     got = rt.generate(prompts, max_tokens=16)
     assert [c.tokens for c in got] == [c.tokens for c in plain]
-    used = rt.auto.record["cycles_by_depth"]
+    used = rt.policy.record["cycles_by_depth"]
     assert all(used[str(k)] > 0 for k in range(4))
     assert sum(sum(c.accepted_by_depth) for c in got) > 0
 
@@ -797,19 +797,19 @@ def test_greedy_output_is_plain_greedy_while_a_timed_controller_explores(predict
     launched = controller.launched
     controller.launched = lambda k, t, clean: (reported.append((k, clean)), launched(k, t, clean))
     rt = MTPLXRuntime(predictable_qwen, MTPContract(depth=3), max_batch=3)
-    rt.auto = AutoDepth(3, 3, controller, {"cycles_by_depth": {str(k): 0 for k in range(4)}})
+    rt.policy = AutoDepth(3, 3, controller, {"cycles_by_depth": {str(k): 0 for k in range(4)}})
     got = rt.generate(prompts, max_tokens=14)
     assert [c.tokens for c in got] == [c.tokens for c in plain]
     assert len(reported) == rt.stats["cycles"]
     assert len({k for k, _ in reported}) >= 2  # it explored
     assert reported[0][1] is False  # the first launch follows a prefill
     assert any(clean for _, clean in reported)
-    measured = rt.auto.record["measured_cycle_costs"]  # what the job summary shows
+    measured = rt.policy.record["measured_cycle_costs"]  # what the job summary shows
     assert set(measured["cycle_s"]) == {"0", "1", "2", "3"} and measured["pairs"]
 
 
 def test_warm_up_visits_every_speculating_depth_right_after_every_depth():
-    from mtplx.autodepth import warm_up_depths
+    from mtplx.autodepth.policy import warm_up_depths
 
     seq = warm_up_depths(3)
     after = {(a, b) for a, b in zip(seq, seq[1:])}
@@ -817,8 +817,8 @@ def test_warm_up_visits_every_speculating_depth_right_after_every_depth():
 
 
 def test_an_adaptive_runtime_traces_every_depth_before_the_job_and_starts_its_counts_at_zero(predictable_qwen, monkeypatch):
-    import mtplx.autodepth as autodepth
-    from mtplx.autodepth import warm_up_depths
+    import mtplx.autodepth.calibration as autodepth
+    from mtplx.autodepth.policy import warm_up_depths
 
     controller = DepthController(CycleCosts(2, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}), [0.9, 0.8, 0.7], 3)
     monkeypatch.setattr(autodepth, "plan_auto_depth", lambda model, contract, max_batch: AutoDepth(0, 3, controller, {}))
@@ -832,8 +832,8 @@ def test_an_adaptive_runtime_traces_every_depth_before_the_job_and_starts_its_co
     monkeypatch.setattr(MTPLXRuntime, "_launch", recording_launch)
     rt = MTPLXRuntime(predictable_qwen, MTPContract(depth="auto"), max_batch=2)
     assert launched == warm_up_depths(3)  # every one played, on the runtime's own passes
-    assert rt.auto.controller is controller and rt.eos == set(predictable_qwen.eos_token_ids)
-    assert rt.stats["cycles"] == 0 and set(rt.auto.record["cycles_by_depth"].values()) == {0}
+    assert rt.policy.controller is controller and rt.eos == set(predictable_qwen.eos_token_ids)
+    assert rt.stats["cycles"] == 0 and set(rt.policy.record["cycles_by_depth"].values()) == {0}
     assert not controller.timed  # the warm-up's cycles are no measurement
     prompts = [[3, 4, 5], [7, 8, 9, 10]]
     plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0), max_batch=2).generate(prompts, max_tokens=10)

@@ -8,26 +8,26 @@ from collections import Counter
 
 import pytest
 
-from mtplx import bench
-from mtplx.bench import (
+from mtplx.autodepth.costs import BareCosts
+from mtplx.bench import run as bench
+from mtplx.bench.report import format_table, write_plot
+from mtplx.bench.requirements import Cell, check_requirements, requirement_lines
+from mtplx.bench.run import (
     BenchPlan,
     Run,
     acceptance_summary,
     add_auto_vs_best,
     add_measured_speedups,
+    encode_prompts,
     median_interval,
     paired_ratios,
+    parse_args,
     predicted_from_ideal,
     ratio_summary,
-    encode_prompts,
-    parse_args,
     settings_from_args,
     take_prompts,
 )
-from mtplx.bench_report import format_table, write_plot
-from mtplx.bench_requirements import Cell, check_requirements, requirement_lines
-from mtplx.completion import Completion
-from mtplx.costs import BareCosts
+from mtplx.decode.requests import Completion
 from mtplx.testing import tiny_checkpoint
 
 # ------------------------------------------------------------ unit: statistics
@@ -401,7 +401,7 @@ def test_five_rounds_of_the_bench_give_each_of_five_engines_four_or_more_predece
 
 def test_bare_cost_sampler_pools_every_round_and_anchors_to_the_fastest_step(tiny_model):
     from mtplx import load
-    from mtplx.costs import BareCostSampler
+    from mtplx.autodepth.costs import BareCostSampler
 
     sampler = BareCostSampler(load(tiny_model), 2, depths=[1, 2], context=6)
     sampler.sample(2)
@@ -417,8 +417,9 @@ def test_bare_cost_sampler_pools_every_round_and_anchors_to_the_fastest_step(tin
 
 
 def test_interleaved_times_run_lead_calls_of_a_pass_untimed_before_its_burst(monkeypatch):
-    from mtplx import costs
     import mlx.core as mx
+
+    from mtplx.autodepth import costs
 
     clock, calls = [0.0], []
 
@@ -447,8 +448,9 @@ def test_interleaved_times_hold_no_output_of_a_call_over_the_next():
     import gc
     import weakref
 
-    from mtplx import costs
     import mlx.core as mx
+
+    from mtplx.autodepth import costs
 
     class Outputs(list):  # a list that a weak reference can follow
         pass
@@ -642,7 +644,7 @@ def test_module_entry_asked_to_plot_without_matplotlib_stops_before_running_with
 
 
 def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_run(tmp_path, capsys):
-    from mtplx.bench_report import check_plot_format
+    from mtplx.bench.report import check_plot_format
 
     check_plot_format(tmp_path / "p.png")
     with pytest.raises(ValueError, match="extension"):

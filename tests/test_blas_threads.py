@@ -4,13 +4,13 @@ are too small to split, the caller's count everywhere else."""
 import mlx.core as mx
 import pytest
 
-from mtplx import blas_threads
-from mtplx.blas_threads import OPENBLAS_SPLITS_ABOVE, SINGLE_THREAD_MNK, decode_threads, gemm_row_cost
-from mtplx.completion import Request
-from mtplx.loader import load
-from mtplx.mtp_patch import MTPContract
+from mtplx.backends.cpu import blas_threads
+from mtplx.backends.cpu.blas_threads import OPENBLAS_SPLITS_ABOVE, SINGLE_THREAD_MNK, decode_threads, gemm_row_cost
+from mtplx.decode.contract import MTPContract
+from mtplx.decode.requests import Request
+from mtplx.decode.sampling import SamplingParams
+from mtplx.models.loader import load
 from mtplx.runtime import MTPLXRuntime
-from mtplx.sampling import SamplingParams
 
 # Switching is only observable where OpenBLAS is loaded and starts with several threads.
 switching = pytest.mark.skipif((blas_threads.openblas_threads() or 1) < 2,
@@ -55,7 +55,7 @@ def _spy_on_counts(monkeypatch, rt):
     """The OpenBLAS count at every evaluation a cycle launch starts, and after each prefill."""
     seen = {"cycle": set(), "prefill": set()}
     launching = []
-    import mtplx.runtime as runtime
+    import mtplx.decode.runtime as runtime
 
     real_async_eval, prepare, launch = runtime.mx.async_eval, rt.prepare, rt._launch
 
@@ -138,13 +138,11 @@ def test_the_caller_gets_its_count_back_between_completions_and_after_an_early_c
 @switching
 def test_generate_gives_the_callers_count_back_once_at_the_end_not_at_every_completion(tiny_model, forced,
                                                                                        monkeypatch):
-    import mtplx.runtime as runtime
-
     rt = MTPLXRuntime(load(tiny_model), MTPContract(depth=2), max_batch=2)
     callers = blas_threads.openblas_threads()
     released = []
-    real = runtime.release_threads
-    monkeypatch.setattr(runtime, "release_threads", lambda owner: (released.append(owner), real(owner)))
+    real = rt.threads.release
+    monkeypatch.setattr(rt.threads, "release", lambda: (released.append(rt), real()))
     out = rt.generate(PROMPTS, max_tokens=12)
     assert len(out) == len(PROMPTS) and released == [rt]  # each give-back waits for the cycle in flight
     assert blas_threads.openblas_threads() == callers
@@ -178,12 +176,12 @@ def test_a_stream_left_unfinished_does_not_switch_the_count_under_another_runtim
     left.close()  # as the garbage collector would, at any moment
     assert blas_threads.openblas_threads() == 1
     batch.close()
-    blas_threads.release_threads(b)
+    b.threads.release()
 
 
 @switching
 def test_bare_cost_passes_run_at_their_cycles_counts_and_give_the_count_back(tiny_model, forced):
-    from mtplx.costs import BareCostSampler
+    from mtplx.autodepth.costs import BareCostSampler
 
     callers = blas_threads.openblas_threads()
     sampler = BareCostSampler(load(tiny_model), 2, [1, 2], context=8)

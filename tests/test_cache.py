@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from mtplx.cache import put_rows
+from mtplx.decode.cache import put_rows
 
 
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 2], [3], [0, 2], [3, 1], [2, 1, 0]])
@@ -26,7 +26,7 @@ def test_put_rows_casts_to_the_caches_dtype_and_leaves_an_empty_set_alone():
 
 
 def test_read_span_rounds_up_to_a_whole_bucket_within_the_capacity():
-    from mtplx.cache import SPAN_BUCKET, read_span
+    from mtplx.decode.cache import SPAN_BUCKET, read_span
 
     b = SPAN_BUCKET
     assert read_span(1, 4 * b) == b
@@ -39,9 +39,9 @@ def test_read_span_rounds_up_to_a_whole_bucket_within_the_capacity():
 @pytest.mark.parametrize("T", [1, 3])
 def test_a_compiled_pass_reading_a_bucket_gives_the_logits_of_one_reading_the_whole_capacity(tmp_path, monkeypatch, T):
     import mtplx
-    import mtplx.cache as cache
-    from mtplx.cache import make_slot_caches
-    from mtplx.compiled import SlotPass, common_span
+    import mtplx.decode.cache as cache
+    from mtplx.decode.cache import make_slot_caches
+    from mtplx.decode.passes import SlotPass, common_span
     from mtplx.testing import tiny_checkpoint
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "ckpt", vocab_size=64))

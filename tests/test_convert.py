@@ -13,9 +13,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mtplx
-from mtplx.convert import convert
-from mtplx.model_info import describe_model, format_model_description, quantized_modules
-from mtplx.mtp_patch import CheckpointError, supported_model_types
+from mtplx.models.adapter import CheckpointError
+from mtplx.models.convert import convert
+from mtplx.models.families import supported_model_types
+from mtplx.models.info import describe_model, format_model_description, quantized_modules
 from mtplx.testing import tiny_checkpoint, write_shards
 
 VOCAB = 32

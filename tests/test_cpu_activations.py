@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mtplx
-from mtplx.cpu_activations import fast_attention, fast_exp, fast_swiglu, use_fast_activations
+from mtplx.backends.cpu.activations import fast_attention, fast_exp, fast_swiglu, use_fast_activations
 from mtplx.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the swap is for the CPU backend")
@@ -26,7 +26,7 @@ def test_fast_exp_is_within_3e_7_of_exp_over_the_float32_range_and_saturates_out
 
 
 def test_pow_exp_is_as_close_to_exp_as_mlxs_exp():
-    from mtplx.cpu_activations import pow_exp
+    from mtplx.backends.cpu.activations import pow_exp
 
     x = np.linspace(-87, 88, 200_001).astype(np.float32)
     want = np.exp(x.astype(np.float64))
@@ -77,7 +77,7 @@ def _causal_masks(B: int, L: int, S: int, pad: int):
 
 @pytest.mark.parametrize("mask_kind", ["causal", "causal_array", "causal_padded", "bool", "additive", "none"])
 def test_prompt_attention_in_query_blocks_matches_mlx_fast_attention(mask_kind):
-    from mtplx.cpu_activations import QUERY_BLOCK_MIN_ROWS, _query_block_rows
+    from mtplx.backends.cpu.activations import QUERY_BLOCK_MIN_ROWS, _query_block_rows
 
     B, Hq, Hkv, L, S, D = 2, 4, 2, 72, 90, 8  # queries at positions 18..89, the last block ragged
     rng = np.random.default_rng(7)
@@ -117,7 +117,7 @@ def test_a_causal_prompt_block_reads_no_key_after_its_last_query():
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_a_prompt_pass_with_blocked_attention_computes_what_mlx_lm_computes(tmp_path, monkeypatch, family):
-    import mtplx.cpu_activations as activations
+    import mtplx.backends.cpu.activations as activations
 
     path = tiny_checkpoint(family, tmp_path / family, vocab_size=48)
     model, reference = mtplx.load(path), mtplx.load(path)
@@ -134,7 +134,7 @@ def test_a_prompt_pass_with_blocked_attention_computes_what_mlx_lm_computes(tmp_
 @pytest.mark.parametrize("dims,traditional", [(2, False), (8, False), (8, True)])
 @pytest.mark.parametrize("offset", ["int", "per_row"])
 def test_rope_over_queries_and_keys_together_is_bit_identical_to_a_call_each(dims, traditional, offset):
-    from mtplx.cpu_activations import _rope_together
+    from mtplx.backends.cpu.activations import _rope_together
 
     rng = np.random.default_rng(dims)
     rope = nn.RoPE(dims, traditional=traditional, base=10000)
@@ -147,7 +147,7 @@ def test_rope_over_queries_and_keys_together_is_bit_identical_to_a_call_each(dim
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_query_and_key_norms_side_by_side_are_bit_identical_to_a_norm_each(tmp_path, family):
-    from mtplx.cpu_activations import _normed_heads
+    from mtplx.backends.cpu.activations import _normed_heads
 
     model = mtplx.load(tiny_checkpoint(family, tmp_path / family, vocab_size=48))
     use_fast_activations(model)
@@ -163,7 +163,7 @@ def test_query_and_key_norms_side_by_side_are_bit_identical_to_a_norm_each(tmp_p
     k = mx.array(rng.normal(0, 3, (2, 5, Hkv, D)).astype(np.float32))
     want = mx.concatenate([attn.q_norm(q), attn.k_norm(k)], axis=2).transpose(0, 2, 1, 3)
     assert mx.array_equal(_normed_heads(attn, q, k), want).item()  # weights replaced: a norm each
-    from mtplx.cpu_activations import prepare_qk_norms
+    from mtplx.backends.cpu.activations import prepare_qk_norms
 
     prepare_qk_norms(model.trunk)
     assert attn.qk_norm_weights[0] is attn.q_norm.weight
@@ -202,7 +202,7 @@ def test_a_half_precision_model_keeps_mlx_lms_activations_bit_for_bit(tmp_path):
 
 
 def test_decode_passes_take_the_power_form_at_every_batch_size_and_prompt_passes_the_polynomial():
-    from mtplx.cpu_activations import FAST_MIN_POSITIONS, conv_silu, fast_silu, step_silu
+    from mtplx.backends.cpu.activations import FAST_MIN_POSITIONS, conv_silu, fast_silu, step_silu
 
     step = mx.random.normal((64, FAST_MIN_POSITIONS - 1, 96))  # a wide batch, a verify's few positions
     prompt = mx.random.normal((1, FAST_MIN_POSITIONS, 96))
@@ -214,8 +214,8 @@ def test_decode_passes_take_the_power_form_at_every_batch_size_and_prompt_passes
 
 
 def test_gated_delta_layers_take_the_fast_conv_activation_and_gated_norm(tmp_path):
-    from mtplx.cpu_activations import conv_silu
-    from mtplx.families.qwen import _conv_activation
+    from mtplx.backends.cpu.activations import conv_silu
+    from mtplx.models.families.qwen import _conv_activation
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "q", vocab_size=48))
     gdns = [layer.linear_attn for layer in model.text_model.layers if hasattr(layer, "linear_attn")]
@@ -232,8 +232,8 @@ def test_gated_delta_layers_take_the_fast_conv_activation_and_gated_norm(tmp_pat
 
 def test_no_verify_spans_a_prompt_pass():
     from mtplx import MTPContract
-    from mtplx.cpu_activations import FAST_MIN_POSITIONS
-    from mtplx.mtp_patch import MAX_DEPTH
+    from mtplx.backends.cpu.activations import FAST_MIN_POSITIONS
+    from mtplx.decode.contract import MAX_DEPTH
 
     assert MAX_DEPTH + 1 < FAST_MIN_POSITIONS
     MTPContract(depth=MAX_DEPTH)
@@ -244,7 +244,7 @@ def test_no_verify_spans_a_prompt_pass():
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_half_precision_activations_round_what_float32_computes(dtype):
-    from mtplx.cpu_activations import fast_silu, step_silu, step_swiglu
+    from mtplx.backends.cpu.activations import fast_silu, step_silu, step_swiglu
 
     x = mx.random.normal((4, 20, 64)) * 6
     h = x.astype(dtype)

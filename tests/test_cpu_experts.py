@@ -26,7 +26,7 @@ def test_a_bf16_moe_model_decodes_and_speculation_matches_plain_decoding(tmp_pat
 
 
 def test_a_bf16_moe_checkpoint_runs_forward_and_head_straight_after_loading(tmp_path):
-    from mtplx.convert import convert
+    from mtplx.models.convert import convert
 
     src = tiny_checkpoint("deepseek_v3", tmp_path / "src", vocab_size=48)
     dst = tmp_path / "bf16"

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from mtplx.costs import CycleCosts
-from mtplx.cycle_timing import CycleTimes
+from mtplx.autodepth.costs import CycleCosts
+from mtplx.autodepth.timing import CycleTimes
 
 
 def _play(timer, schedule, true_cost, slow=lambda i: 1.0, unclean=()):

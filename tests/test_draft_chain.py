@@ -8,11 +8,19 @@ import numpy as np
 import pytest
 
 import mtplx
-from mtplx.cache import SlotKVCache
-from mtplx.decide import cycle_draws
-from mtplx.draft_chain import DraftChain, HeadPending
-from mtplx.sampling import (SamplingParams, batch_sampling, draft_tokens, greedy_tokens, keys_from_base, row_hash,
-                            row_key_base, target_probs)
+from mtplx.decode.accept import cycle_draws
+from mtplx.decode.cache import SlotKVCache
+from mtplx.decode.draft import DraftChain, HeadPending
+from mtplx.decode.sampling import (
+    SamplingParams,
+    batch_sampling,
+    draft_tokens,
+    greedy_tokens,
+    keys_from_base,
+    row_hash,
+    row_key_base,
+    target_probs,
+)
 from mtplx.testing import tiny_checkpoint
 
 VOCAB = 48

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import _get_classes
 
 import mtplx
-from mtplx.cache import SlotKVCache
+from mtplx.decode.cache import SlotKVCache
 from mtplx.testing import tiny_checkpoint
 
 VOCAB = 32

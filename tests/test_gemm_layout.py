@@ -9,10 +9,10 @@ from mlx.utils import tree_flatten
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
 from mtplx.assets import default_model_path
-from mtplx.cache import make_slot_caches
-from mtplx.compiled import SlotPass
-from mtplx.gemm_layout import lay_out_for_cpu_gemm
-from mtplx.sampling import SamplingParams
+from mtplx.backends.cpu.gemm_layout import lay_out_for_cpu_gemm
+from mtplx.decode.cache import make_slot_caches
+from mtplx.decode.passes import SlotPass
+from mtplx.decode.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the layout is for the CPU backend")
 
@@ -103,7 +103,7 @@ def test_speculative_decoding_emits_plain_decodings_tokens_and_logprobs_bit_for_
 def test_a_relaid_linear_multiplies_by_its_in_out_array_and_honours_a_replaced_weight():
     import mlx.nn as nn
 
-    from mtplx.gemm_layout import RelaidLinear, _relay_linears
+    from mtplx.backends.cpu.gemm_layout import RelaidLinear, _relay_linears
 
     rng = np.random.default_rng(3)
     for bias in (True, False):
@@ -122,15 +122,13 @@ def test_a_relaid_linear_multiplies_by_its_in_out_array_and_honours_a_replaced_w
 
 @pytest.mark.parametrize("T", [1, 4, 20])  # a step, a verify, a prompt chunk (the fast-exp forms)
 def test_projections_over_token_rows_give_the_batched_matmuls_values_bit_for_bit(model, monkeypatch, T):
-    from mtplx import cpu_activations
-    from mtplx.families import qwen
+    from mtplx.backends.cpu import activations as cpu_activations
 
     rng = np.random.default_rng(4)
     prompts = rng.integers(1, 500, (3, 12)).tolist()
     tokens = rng.integers(1, 500, (3, T)).tolist()
     rows = _decode_logits(model, prompts, tokens, T)
-    for module in (cpu_activations, qwen):  # every projection over the [B, T, D] input itself
-        monkeypatch.setattr(module, "token_rows", lambda x: x)
+    monkeypatch.setattr(cpu_activations, "token_rows", lambda x: x)  # every projection over the [B, T, D] input itself
     batched = _decode_logits(model, prompts, tokens, T)
     assert rows.shape == batched.shape == (3, T, model.vocab_size)
     assert mx.array_equal(rows, batched).item()

@@ -14,12 +14,11 @@ mlx-lm's on 7 of 40 prompts (`mtplx.prefill.last_token_step`)."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from model_helpers import bf16_checkpoint, make_predictable, mlx_lm_greedy
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
-from mtplx.sampling import greedy_tokens
-
-from model_helpers import bf16_checkpoint, make_predictable, mlx_lm_greedy
+from mtplx.decode.sampling import greedy_tokens
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"]
 VOCAB = 48

@@ -14,7 +14,8 @@ from mlx_lm.models import deepseek_v3
 from mlx_lm.utils import load_model
 
 import mtplx
-from mtplx.mtp_patch import CheckpointError, supported_model_types
+from mtplx.models.adapter import CheckpointError
+from mtplx.models.families import supported_model_types
 from mtplx.testing import tiny_checkpoint, write_shards
 
 VOCAB = 32

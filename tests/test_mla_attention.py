@@ -10,8 +10,8 @@ import pytest
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
-from mtplx.cache import make_slot_caches
-from mtplx.compiled import SlotPass
+from mtplx.decode.cache import make_slot_caches
+from mtplx.decode.passes import SlotPass
 from mtplx.testing import tiny_checkpoint
 
 MLA_FAMILIES = ["deepseek_v3", "glm4_moe_lite"]

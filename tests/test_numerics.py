@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtplx.mtp_batch_numerics import (
+from mtplx.decode.numerics import (
     ZERO_MASS_TOL,
     NonFiniteError,
     log_softmax_f32,
@@ -17,7 +17,7 @@ from mtplx.mtp_batch_numerics import (
     replace_nonfinite_rows,
     safe_normalize,
 )
-from mtplx.sampling import residual_distribution
+from mtplx.decode.sampling import residual_distribution
 
 
 def np_(x):

@@ -3,7 +3,6 @@ rows, the job goes on and exits 1. Never a traceback."""
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import invoke, run_cli, write_job, write_parquet
 
 PROMPTS = ["the cat", "a dog is", "hello there", "one two three"]

@@ -6,8 +6,8 @@ tiny checkpoint (`--model`)."""
 from dataclasses import replace
 
 import pytest
-
 from conftest import REPO, invoke
+
 from pipeline.runner import RunOptions, run_job
 from pipeline.spec import load_spec
 

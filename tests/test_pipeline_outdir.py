@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import invoke, write_job, write_parquet
 
 PROMPTS = ["the cat sat", "a dog ran", "the sun is", "hello there"]

@@ -6,7 +6,6 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import invoke, write_job, write_parquet
 
 RESULT_COLUMNS = ["completion", "completion_tokens", "prompt_tokens", "finish_reason", "error",

@@ -9,7 +9,6 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import REPO, cli_env, invoke, run_cli, write_job, write_parquet
 
 ROWS = 64

@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import REPO, cli_env
 
 SCRIPT = textwrap.dedent("""

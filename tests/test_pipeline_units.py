@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import fake_engine_factory, write_parquet
+
 from pipeline.errors import JobError
 from pipeline.ids import KeySet, check_ids, id_hashes, row_keys
 from pipeline.packer import length_ordered
@@ -324,7 +324,7 @@ def test_memory_cap_shrinks_slots_and_refuses_below_the_weights(tiny_model):
 
 
 def test_a_signal_while_the_summary_is_written_waits_for_it_then_exits_143(tmp_path, fake_model_dir, monkeypatch):
-    import pipeline.runner as runner
+    import pipeline.job as runner
 
     inp = write_parquet(tmp_path / "in.parquet", id=[1, 2, 3], prompt=["a", "bb", "ccc"])
     original = runner.build_summary

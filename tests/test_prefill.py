@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mtplx
-import mtplx.families.qwen as qwen
+from mtplx import backends
 from mtplx.testing import tiny_checkpoint
 
 VOCAB = 48
@@ -15,8 +15,8 @@ VOCAB = 48
 def _forward_in_two_calls(model, tokens, lengths, split, chunked: bool):
     """The trunk over right-padded `tokens` [B, L] in two calls (the second
     starts from the states the first left), as `prefill_batch` runs it."""
-    saved = qwen.CHUNKED_PREFILL_MIN
-    qwen.CHUNKED_PREFILL_MIN = 16 if chunked else 10**9
+    saved = backends.CHUNKED_PREFILL_MIN
+    backends.CHUNKED_PREFILL_MIN = 16 if chunked else 10**9
     try:
         cache = model.make_cache()
         for c in cache:
@@ -26,7 +26,7 @@ def _forward_in_two_calls(model, tokens, lengths, split, chunked: bool):
         second, _ = model.forward(tokens[:, split:], cache)  # [B, L - split, V]
         return mx.concatenate([first, second], axis=1), cache
     finally:
-        qwen.CHUNKED_PREFILL_MIN = saved
+        backends.CHUNKED_PREFILL_MIN = saved
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -53,7 +53,7 @@ def test_chunked_prefill_matches_mlx_lm_step_by_step_on_padded_rows(tmp_path, fa
 def test_short_prompt_chunks_run_mlx_lm_step_by_step_bit_for_bit(tmp_path):
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path, vocab_size=VOCAB))
     tokens = mx.array([[5, 9, 3, 7, 11, 2, 8]], dtype=mx.int32)  # below CHUNKED_PREFILL_MIN
-    assert tokens.shape[1] < qwen.CHUNKED_PREFILL_MIN
+    assert tokens.shape[1] < backends.CHUNKED_PREFILL_MIN
     ours, _ = model.forward(tokens, model.make_cache())
     ref = model.trunk(tokens, cache=None)
     assert mx.array_equal(ours, ref).item()
@@ -65,7 +65,7 @@ def test_half_precision_prompts_prefill_bit_for_bit_as_mlx_lm(tmp_path):
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path, vocab_size=VOCAB))
     model.trunk.set_dtype(mx.bfloat16)
     tokens = mx.array([np.random.default_rng(1).integers(1, VOCAB, 40).tolist()], dtype=mx.int32)
-    assert tokens.shape[1] >= qwen.CHUNKED_PREFILL_MIN
+    assert tokens.shape[1] >= backends.CHUNKED_PREFILL_MIN
     ours, _ = model.forward(tokens, model.make_cache())
     ref = model.trunk(tokens, cache=model.make_cache())
     assert ours.dtype == mx.bfloat16
@@ -75,7 +75,7 @@ def test_half_precision_prompts_prefill_bit_for_bit_as_mlx_lm(tmp_path):
 def test_length_groups_are_the_cheapest_cuts_of_the_sorted_lengths():
     import itertools
 
-    from mtplx.prefill import length_groups
+    from mtplx.decode.prefill import length_groups
 
     def cost(lengths, runs, call):
         return sum(call + (b - a) * lengths[b - 1] for a, b in runs)
@@ -96,9 +96,9 @@ def test_length_groups_are_the_cheapest_cuts_of_the_sorted_lengths():
 
 
 def test_prefill_by_length_gives_each_prompt_what_it_gets_alone_in_input_order(tmp_path):
-    from mtplx.compiled import SlotPass
-    from mtplx.decode_model import prepare_for_decoding
-    from mtplx.prefill import prefill_batch, prefill_by_length
+    from mtplx.decode.passes import SlotPass
+    from mtplx.decode.prefill import prefill_batch, prefill_by_length
+    from mtplx.decode.prepare import prepare_for_decoding
 
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "q", vocab_size=48))
     prepare_for_decoding(model)
@@ -123,10 +123,10 @@ def test_prefill_by_length_gives_each_prompt_what_it_gets_alone_in_input_order(t
 def test_the_first_token_logits_are_mlx_lm_s_after_its_one_token_short_prompt_pass(tmp_path, family):
     # In bf16, bit for bit: a prompt pass over the last prompt token too
     # rounds it differently (mtplx.prefill.last_token_step).
-    from mtplx.decode_model import prepare_for_decoding
-    from mtplx.prefill import prefill_by_length
-
     from model_helpers import bf16_checkpoint
+
+    from mtplx.decode.prefill import prefill_by_length
+    from mtplx.decode.prepare import prepare_for_decoding
 
     path = bf16_checkpoint(family, tmp_path / family)
     model, reference = mtplx.load(path), mtplx.load(path)

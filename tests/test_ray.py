@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import REPO, cli_env, invoke, write_job, write_parquet
+
 from pipeline.errors import JobError
 from pipeline.spec import load_spec
 

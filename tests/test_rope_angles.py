@@ -4,16 +4,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from model_helpers import prefilled_slot_caches, slot_cache_state
 
 import mtplx
-import mtplx.cache as cache_module
-import mtplx.rope_angles as rope_angles_module
-from mtplx.compiled import StagedPass, trunk_pass
-from mtplx.cpu_activations import shared_rope_spec
-from mtplx.decode_model import prepare_for_decoding
-from mtplx.rope_angles import RopeSpec, matches_fast_rope, rope_angles, rotate
+import mtplx.backends.cpu.rope_angles as rope_angles_module
+import mtplx.decode.cache as cache_module
+from mtplx.backends.cpu.activations import shared_rope_spec
+from mtplx.backends.cpu.rope_angles import RopeSpec, matches_fast_rope, rope_angles, rotate
+from mtplx.decode.passes import StagedPass, trunk_pass
+from mtplx.decode.prepare import prepare_for_decoding
 from mtplx.testing import tiny_checkpoint
-from model_helpers import prefilled_slot_caches, slot_cache_state
 
 SPECS = [RopeSpec(6, 10000.0, 1.0), RopeSpec(64, 1e6, 1.0), RopeSpec(32, 500000.0, 0.25)]
 
@@ -88,7 +88,7 @@ def test_no_shared_angles_where_an_attention_layer_rotates_another_way(model, tm
 def test_bare_passes_hand_every_attention_layer_one_lengths_array(model, monkeypatch):
     """The bare costs' trunk passes start as the runtime's do after a commit,
     so they make their positions and angles once per pass, as its cycles do."""
-    from mtplx.costs import BareCostSampler
+    from mtplx.autodepth.costs import BareCostSampler
 
     sampler = BareCostSampler(model, 2, depths=[2], context=6)
     made = []

@@ -4,14 +4,13 @@ metrics, reproducibility. fp32 tiny checkpoints in the real HF layouts."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from model_helpers import make_predictable, mlx_lm_greedy
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
-from mtplx.completion import Request
-from mtplx.sampling import SamplingParams
+from mtplx.decode.requests import Request
+from mtplx.decode.sampling import SamplingParams
 from mtplx.testing import tiny_checkpoint
-
-from model_helpers import make_predictable, mlx_lm_greedy
 
 VOCAB = 48
 TIE_GAP = 1e-4
@@ -72,7 +71,7 @@ def test_greedy_speculative_equals_mlx_lm_greedy(models, family, depth):
 
 def _generate_each_max(rt, prompts, max_tokens):
     """One stream with per-request max_tokens."""
-    from mtplx.runtime import Request
+    from mtplx.decode.requests import Request
 
     reqs = [Request(index=i, prompt=p, max_tokens=n) for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     return sorted(rt.stream(reqs), key=lambda c: c.index)
@@ -260,7 +259,7 @@ def test_empty_and_overlong_prompts_become_error_rows(models):
 
 @pytest.mark.parametrize("depth", [0, 2])
 def test_rows_left_at_the_end_run_in_a_smaller_batch_and_output_the_same(models, depth):
-    from mtplx.runtime import Request
+    from mtplx.decode.requests import Request
 
     model = models["qwen3_5"]
     prompts = _prompts(8, seed=5)

@@ -8,15 +8,14 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
+from model_helpers import make_predictable
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
-from mtplx.checkpoint import read_header
-from mtplx.completion import Request
-from mtplx.mtp_patch import CheckpointError
+from mtplx.decode.requests import Request
+from mtplx.models.adapter import CheckpointError
+from mtplx.models.checkpoint import read_header
 from mtplx.testing import tiny_checkpoint
-
-from model_helpers import make_predictable
 
 VOCAB = 48
 GOOD = [5, 6, 7]
@@ -180,7 +179,7 @@ def test_stop_strings_prompts_and_depths_from_numpy_and_pyarrow_are_taken_as_bef
 def test_a_str_prompt_that_starts_with_the_bos_text_gets_no_second_bos(tmp_path):
     from tokenizers import Tokenizer, processors
 
-    from mtplx.tokenizer_files import write_char_tokenizer
+    from mtplx.models.tokenizer_files import write_char_tokenizer
 
     path = tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=VOCAB)
     write_char_tokenizer(path, VOCAB - 1)  # ids 0..46; "<s>" becomes 47

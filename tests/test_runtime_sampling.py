@@ -17,16 +17,15 @@ is proven, not assumed.
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import mtplx
-import mtplx.sampling as sampling
-from mtplx import MTPContract, MTPLXRuntime
-from mtplx.decide import forget_traces
-from mtplx.sampling import SamplingParams, batch_sampling, target_probs
-from mtplx.testing import tiny_checkpoint
-
 from model_helpers import make_predictable
 from stats import chi2_threshold, chisq, noncentral_power
+
+import mtplx
+import mtplx.decode.sampling as sampling
+from mtplx import MTPContract, MTPLXRuntime
+from mtplx.decode.accept import forget_traces
+from mtplx.decode.sampling import SamplingParams, batch_sampling, target_probs
+from mtplx.testing import tiny_checkpoint
 
 N = 16_000
 TEMPERATURE = 1.5  # checked below: the target is neither near-one-hot nor near-uniform

@@ -21,13 +21,12 @@ import sys
 
 import mlx.core as mx
 import numpy as np
-
-from stats import chi2_sf, chi2_threshold, chisq, noncentral_power
 import pytest
+from stats import chi2_sf, chi2_threshold, chisq, noncentral_power
 
-import mtplx.sampling as sampling
-from mtplx.mtp_batch_numerics import NonFiniteError, nonfinite_rows
-from mtplx.sampling import (
+import mtplx.decode.sampling as sampling
+from mtplx.decode.numerics import NonFiniteError, nonfinite_rows
+from mtplx.decode.sampling import (
     RULES,
     BatchSampling,
     Purpose,
@@ -558,7 +557,7 @@ def test_position_keys_are_fixed_integer_values():
 def test_keys_and_draws_are_identical_in_a_fresh_process():
     script = (
         "import json, mlx.core as mx, numpy as np\n"
-        "from mtplx.sampling import *\n"
+        "from mtplx.decode.sampling import *\n"
         "k = position_keys(5, [row_hash('a'), row_hash(('b', 2))], [0, 1],"
         " mx.array([[0, 1], [2, 3]], dtype=mx.int32))\n"
         "print(json.dumps([np.array(k).tolist(),"

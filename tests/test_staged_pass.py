@@ -3,13 +3,13 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from model_helpers import prefilled_slot_caches, slot_cache_state
 
 import mtplx
-import mtplx.compiled as compiled
-from mtplx.cache import SlotKVCache
-from mtplx.compiled import SlotPass, StagedPass
+import mtplx.decode.passes as compiled
+from mtplx.decode.cache import SlotKVCache
+from mtplx.decode.passes import SlotPass, StagedPass
 from mtplx.testing import tiny_checkpoint
-from model_helpers import prefilled_slot_caches, slot_cache_state
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +55,13 @@ def test_each_stage_is_started_before_the_next_is_built(model, monkeypatch):
 
 
 def test_the_runtime_stages_its_trunk_pass_a_layer_at_a_time_on_the_cpu(model):
-    from mtplx.mtp_patch import MTPContract
+    from mtplx.decode.contract import MTPContract
     from mtplx.runtime import MTPLXRuntime
 
     if mx.default_device() != mx.cpu:
         pytest.skip("on a GPU the pass stays one graph")
     rt = MTPLXRuntime(model, MTPContract(depth=1), max_batch=2)
-    assert [s.stop - s.start for s, _ in rt._verify.stages] == [compiled.CPU_LAYERS_PER_STAGE] * len(model.layer_kinds)
+    assert [s.stop - s.start for s, _ in rt._verify.stages] == [1] * len(model.layer_kinds)  # one layer a stage on the CPU
 
 
 def test_attention_layers_holding_one_lengths_array_make_their_mask_and_write_index_once_per_pass(model, monkeypatch):
@@ -87,7 +87,7 @@ def test_attention_layers_holding_one_lengths_array_make_their_mask_and_write_in
 
 
 def test_a_commit_hands_every_trunk_attention_cache_one_lengths_array(model):
-    from mtplx.slots import SlotBatch
+    from mtplx.decode.slots import SlotBatch
 
     batch = SlotBatch(model, size=3, depth=2)
     kv = [c for c in batch.trunk if isinstance(c, SlotKVCache)]
@@ -99,12 +99,12 @@ def test_a_commit_hands_every_trunk_attention_cache_one_lengths_array(model):
 
 
 def test_conv_taps_split_ahead_of_the_passes_leave_what_splitting_in_every_pass_leaves(model):
-    """families.qwen.prepare_conv_taps: the gated-delta conv's taps split once
+    """backends.cpu.conv.prepare_conv_taps: the gated-delta conv's taps split once
     give the same logits and caches bit for bit, and a conv weight replaced
     after the split is used, not the stale taps."""
     from mlx.utils import tree_flatten
 
-    from mtplx.families.qwen import prepare_conv_taps
+    from mtplx.backends.cpu.conv import prepare_conv_taps
 
     tokens = mx.array([[5, 9, 11]] * 3)  # [3, T]
     gdns = [l.linear_attn for l in model.text_model.layers if hasattr(l, "linear_attn")]
@@ -140,7 +140,7 @@ def test_gated_delta_q_and_k_normalised_side_by_side_are_mlx_lms_normalize_qk_bi
 
     from mlx_lm.models.gated_delta import normalize_qk
 
-    from mtplx.families.qwen import split_qkv
+    from mtplx.models.families.qwen import split_qkv
 
     Hk, Dk, Hv, Dv = 2, 32, 4, 24
     gdn = SimpleNamespace(num_k_heads=Hk, head_k_dim=Dk, num_v_heads=Hv, head_v_dim=Dv, key_dim=Hk * Dk)

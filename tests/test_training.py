@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mtplx
-from mtplx.gated_delta_chunked import chunked_gated_delta, log_gate
+from mtplx.models.families.gated_delta_chunked import chunked_gated_delta, log_gate
 from mtplx.training.corpus import HELD_OUT_MODULES, function_examples, is_held_out, split_corpus, stdlib_sources
 from mtplx.training.export import export_checkpoint
 from mtplx.training.model import ModelShape, TinyMTP, release_config
@@ -143,7 +143,7 @@ def test_bigram_warm_start_makes_a_fresh_model_predict_the_next_and_next_next_to
 
 
 def test_exported_checkpoint_computes_what_the_trained_model_computes(tmp_path):
-    from mtplx.tokenizer_files import write_char_tokenizer
+    from mtplx.models.tokenizer_files import write_char_tokenizer
 
     mx.random.seed(0)
     model = TinyMTP(release_config(TINY))
@@ -189,7 +189,7 @@ def test_function_examples_split_signature_docstring_and_body():
 
 
 def test_short_training_run_writes_a_checkpoint_mtplx_loads_with_a_complete_head(tmp_path):
-    from mtplx.train_tiny import train_tiny
+    from mtplx.training.tiny import train_tiny
 
     meta = train_tiny(
         tmp_path,
@@ -214,7 +214,7 @@ def test_short_training_run_writes_a_checkpoint_mtplx_loads_with_a_complete_head
 
 
 def test_training_is_deterministic_for_a_seed(tmp_path):
-    from mtplx.train_tiny import train_tiny
+    from mtplx.training.tiny import train_tiny
 
     def run(out, seed):
         train_tiny(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..families.qwen import split_qkv
-from ..gated_delta_chunked import chunked_gated_delta, log_gate
+from mtplx.models.families.gated_delta_chunked import chunked_gated_delta, log_gate
+from mtplx.models.families.qwen import split_qkv
 
 
 def gated_delta_layer_train(gdn, x: mx.array, chunk: int = 32) -> mx.array:

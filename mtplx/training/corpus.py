@@ -90,12 +90,6 @@ def split_corpus(files: List[SourceFile], held_out=HELD_OUT_MODULES):
     return train, test
 
 
-def held_out_source(module: str, root: Optional[Path] = None) -> str:
-    """The text of one held-out module (used to build prompt sets)."""
-    root = Path(root) if root is not None else stdlib_root()
-    return (root / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
-
-
 @dataclass(frozen=True)
 class FunctionExample:
     id: str  # "module.Class.function"

@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..costs import interleaved_times
+from mtplx.autodepth.costs import interleaved_times
 
 
 def windows(stream: np.ndarray, length: int, count: int) -> np.ndarray:
@@ -107,10 +107,10 @@ def runtime_acceptance(model, prompts: Sequence[Sequence[int]], temperature: flo
     figure it includes what the runtime's own drafting loses (depth 2 and up
     drafts from the head's own output) and, under sampling, the residual
     rule's acceptance, which is what `depth="auto"` has to predict."""
-    from ..bench import acceptance_summary
-    from ..mtp_patch import MTPContract
-    from ..runtime import MTPLXRuntime
-    from ..sampling import SamplingParams
+    from mtplx.bench.run import acceptance_summary
+    from mtplx.decode.contract import MTPContract
+    from mtplx.decode.sampling import SamplingParams
+    from mtplx.runtime import MTPLXRuntime
 
     rt = MTPLXRuntime(model, MTPContract(depth=depth), max_batch=batch)
     outs = rt.generate(list(prompts), sampling=SamplingParams(temperature=temperature), max_tokens=max_tokens, seed=seed)

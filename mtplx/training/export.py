@@ -19,8 +19,8 @@ from typing import Dict
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..testing import write_shards
-from .model import TinyMTP
+from mtplx.testing import write_shards
+from mtplx.training.model import TinyMTP
 
 _ZERO_CENTRED = (
     ".input_layernorm.weight",

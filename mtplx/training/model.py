@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..families.common import bind_shared
-from ..families.qwen import QwenMTPHead
-from .chunked_delta import gated_delta_layer_train
+from mtplx.models.families.common import bind_shared
+from mtplx.models.families.qwen import QwenMTPHead
+from mtplx.training.chunked_delta import gated_delta_layer_train
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from ..tokenizer_files import EOS, configure_qwen_pipeline, write_tokenizer_config
+from mtplx.models.tokenizer_files import EOS, configure_qwen_pipeline, write_tokenizer_config
 
 
 def train_bpe(texts: Sequence[str], vocab_size: int):

@@ -23,7 +23,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from .model import TinyMTP
+from mtplx.training.model import TinyMTP
 
 
 @dataclass(frozen=True)

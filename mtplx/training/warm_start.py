@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-from .model import TinyMTP
+from mtplx.training.model import TinyMTP
 
 
 def bigram_counts(stream: np.ndarray, vocab_size: int) -> np.ndarray:

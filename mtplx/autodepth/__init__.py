@@ -1,0 +1,1 @@
+"""Depth "auto": calibration on this machine and the per-cycle depth controller."""

@@ -1,0 +1,225 @@
+"""Calibration for depth "auto": time the bare passes and the runtime's own
+cycles at this batch size on this machine, then plan the job's depths
+(`plan_auto_depth`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from mtplx.autodepth import bursts
+from mtplx.autodepth.bursts import burst_sequence, burst_times, tokens_bound
+from mtplx.autodepth.costs import (
+    BareCosts,
+    BareCostSampler,
+    CycleCosts,
+    _anchored_to,
+    _shaped_by_bare,
+    predicted_speedup,
+    verify_never_falling,
+)
+from mtplx.autodepth.policy import (
+    DEPTH_TOLERANCE,
+    KEEP_SPECULATING_ABOVE,
+    SINGLE_ROW_JOB_TIE,
+    SPECULATION_MARGIN,
+    AutoDepth,
+    DepthController,
+    acceptance_prior,
+    best_depth,
+)
+from mtplx.decode.contract import MTPContract
+from mtplx.decode.depth import ScriptedDepths
+from mtplx.decode.runtime import BatchRuntime
+from mtplx.decode.sampling import SamplingParams
+
+# Interleaved rounds of the bare passes timed at calibration (the step's
+# fastest anchors same-round ratios): BARE_ROUNDS_FIRST, then
+# BARE_ROUNDS_BETWEEN after each round of the runtime's own cycles, 15 in
+# all. With 7 rounds, each pass's fastest kept, one calibration in a slow
+# spell of this VM got a verify cost shape flat enough to make depth 2 look
+# 48% faster at batch 4. Taken in one go, 15 rounds could still all fall in
+# one spell, which pulls every ratio towards 1: one calibration measured
+# verify k=2 over the step at 1.55 at batch 4 (1.71-1.83 in others), put
+# depth 2 10% ahead of depth 1, and the job ran depth 2 (0.93 of depth 1).
+# Spread over the calibration, like the bench's (`costs.BareCostSampler`),
+# they cover more of the machine's spells.
+BARE_ROUNDS_FIRST = 5
+BARE_ROUNDS_BETWEEN = 2
+
+# The job depth (sampled rows) is priced on the runtime's own sampled cycles,
+# which also draw each draft and decide acceptance on probabilities: greedy
+# cycles price that at nothing. On a random tiny qwen3_5 checkpoint at batch
+# 1 (temperature 1 acceptance 0.69, a 0.44 ms step) a depth-1 cycle cost
+# 1.45x a step greedy and about 1.76x sampled; priced greedy, the job ran
+# depth 1 at 0.91 of plain decoding. These rounds are timed only where the
+# greedy pricing already puts a depth over the margin (sampled cycles never
+# cost less), and after the greedy ones, on the bare costs those sampled;
+# an even number, so that each depth runs as often early in a round as late
+# (`costs.measure_cycle_costs` reverses every other round).
+SAMPLED_CALIBRATION_ROUNDS = 4
+
+
+def measure_cycle_costs(
+    model,
+    batch_size: int,
+    depths: Sequence[int],
+    compiled: bool = True,
+    prompt_len: int = 48,
+    rounds: int = 5,
+    bare: Union[BareCosts, "BareCostSampler", None] = None,
+    bare_rounds_between: int = 2,
+    temperature: float = 0.0,
+    burst: Optional[int] = None,
+    repeats: Optional[int] = None,
+) -> CycleCosts:
+    """Seconds per cycle of MTPLXRuntime at each depth, on `batch_size`
+    random prompts: in each round one decode whose cycles play a burst of
+    every depth between bursts of plain decoding (`depth_bursts`; after an
+    untimed round that traces and builds kernels), greedy or sampled at
+    `temperature` (a sampled cycle also draws its drafts and decides
+    acceptance on probabilities, which a greedy one skips). Deeper depths
+    go first in every other round.
+
+    A round gives depth 0 the median time from one plain cycle's launch to
+    the next and each other depth its ratio to the plain bursts beside its
+    own (`bursts.burst_times`). Launch to launch is a whole cycle on
+    any backend: on the CPU a launch returns when its compute is nearly
+    done, on a GPU once the work is queued, so launch times alone would miss
+    a GPU's compute. Medians, not means, because on a shared VM single
+    cycles stall. Depth 0's cost is its fastest round; another depth's is
+    that times the median over rounds of its ratio. Given `bare` costs of
+    the same batch size, the shape across depths comes from them instead
+    (`_shaped_by_bare`), with their verify costs never falling with depth
+    (`verify_never_falling`); given a `BareCostSampler`, it samples
+    `bare_rounds_between` more rounds after each round of decodes and the
+    shape comes from all its rounds. `burst`, `repeats`: cycles per burst
+    and bursts of each depth per round (default `bursts.BURST`,
+    `bursts.REPEATS`).
+    """
+    burst = burst or bursts.BURST
+    repeats = repeats or bursts.REPEATS
+    sampling = SamplingParams(temperature=temperature)
+    if model.max_context is not None:  # prompt + every token the cycles may add must fit the context
+        def needed():
+            return tokens_bound(burst_sequence(depths, burst, repeats))
+
+        room = model.max_context - min(prompt_len, model.max_context // 2)
+        while repeats > 1 and needed() > room:
+            repeats -= 1
+        while burst > 2 and needed() > room:
+            burst -= 1
+        prompt_len = max(1, min(prompt_len, model.max_context // 2, model.max_context - needed()))
+    sequences = [burst_sequence(depths, burst, repeats, reverse=r % 2 == 1) for r in range(2)]
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, model.vocab_size, (batch_size, prompt_len)).tolist()
+    # Every cycle at the full batch size: that is the cost being calibrated.
+    contract = MTPContract(depth=max(depths), compile=compiled, shrink_batch=False)
+    runtime = BatchRuntime(model, contract, max_batch=batch_size, policy=ScriptedDepths(sequences[0]))
+    bursts.play(runtime, prompts, sequences[0], sampling)  # traces every depth after every other
+    times = {k: [] for k in depths}
+    for r in range(rounds):
+        sequence = sequences[r % 2]
+        plain, ratios = burst_times(sequence, bursts.play(runtime, prompts, sequence, sampling))
+        for k in depths:
+            times[k].append(plain if k == 0 else plain * ratios.get(k, float("nan")))
+        if isinstance(bare, BareCostSampler):
+            bare.sample(bare_rounds_between)
+    if isinstance(bare, BareCostSampler):
+        bare = bare.costs()
+    if bare is not None:
+        bare = verify_never_falling(bare)
+    if bare is not None and 0 in times:
+        seconds, overhead = _shaped_by_bare(times, bare)
+        return CycleCosts(batch_size, seconds, overhead)
+    return CycleCosts(batch_size, _anchored_to(times))
+
+
+
+def _timed_every_depth(costs: CycleCosts, K: int) -> bool:
+    return all(math.isfinite(costs.cycle_s(k)) for k in range(K + 1))
+
+
+def _job_depth(costs, sampled_acceptance: Sequence[float], K: int, max_batch: int) -> int:
+    one_row = max_batch == 1
+    return best_depth(costs, sampled_acceptance, K, margin=SPECULATION_MARGIN,
+                      tolerance=SINGLE_ROW_JOB_TIE if one_row else DEPTH_TOLERANCE, deepest=one_row)
+
+
+def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
+    """Calibrate on this machine at this batch size and plan the job's depths."""
+    if model.head is None:
+        return AutoDepth(0, 0, None, {"depth": 0, "reason": "no MTP head",
+                                      "policy": "plain decoding: this checkpoint has no MTP head to draft with"})
+    K = contract.max_depth_auto
+    acceptance = acceptance_prior(model, K)  # greedy: what the per-cycle controller starts from
+    sampled = acceptance_prior(model, K, sampled=True)  # what the job depth (sampled rows) is chosen for
+    # The bare passes give the shape of cost across depths; the runtime's own
+    # short decodes, how much a whole cycle costs beyond them.
+    sampler = BareCostSampler(model, max_batch, depths=range(1, K + 1), context=64, compiled=contract.compile)
+    sampler.sample(BARE_ROUNDS_FIRST)
+    costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile, bare=sampler,
+                                bare_rounds_between=BARE_ROUNDS_BETWEEN)
+    bare = sampler.costs()
+    if not _timed_every_depth(costs, K):
+        if contract.sampled_depth:  # a resumed job's depth still holds; every cycle runs at it
+            k = contract.sampled_depth
+            return AutoDepth(k, k, None, {"depth": k, "depth_from": "given (the job's first run)",
+                                          "reason": "calibration timed no decode cycle",
+                                          "policy": f"depth {k} in every cycle: calibration could not time a cycle"})
+        return AutoDepth(0, 0, None, {"depth": 0, "reason": "calibration timed no decode cycle",
+                                      "policy": "plain decoding: calibration could not time a decode cycle"})
+    job = contract.sampled_depth  # a resumed job's: its sampled rows draw as its first run's did
+    sampled_costs = None
+    if job is None:
+        job = _job_depth(costs, sampled, K, max_batch)
+        if job > 0:  # greedy cycles price the draws at nothing: decide on sampled cycles
+            sampled_costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile,
+                                                bare=bare, temperature=1.0, rounds=SAMPLED_CALIBRATION_ROUNDS)
+            if _timed_every_depth(sampled_costs, K):
+                job = _job_depth(sampled_costs, sampled, K, max_batch)
+            else:
+                sampled_costs = None
+    # Greedy rows keep a controller wherever some depth is predicted to win
+    # at all, and start speculating only where one wins by the margin; in
+    # between, the controller starts off and probes (DepthController), and
+    # its own cycle timings decide. Their output does not depend on the
+    # depth either way. In nine `make bench` runs (2026-11-30) calibration's
+    # greedy prediction at batch 16 was 0.94-1.08 (1.28 once), where depth 1
+    # measured 0.85-0.99 of plain decoding in one batch of 16 (1.045 once).
+    # Started on (seven runs), the controller went off partway through
+    # batches whose rows already finished unevenly, and auto came out at
+    # 0.88-0.98 of plain (mean 0.93); planned plain (two), at 0.94 and 0.98.
+    # A start off costs little where probes run and speculation does pay: at
+    # batch 4, forced off at the start, a controller ran 251 plain cycles
+    # before its probes turned it on, and 1.008 of one started on over 20
+    # paired rounds (one batch of 4 a run, measured before probes waited for
+    # queued rows). In one batch with nothing queued it now stays off; at
+    # batch 4 calibration predicted 1.06-1.29 in those nine runs.
+    greedy = best_depth(costs, acceptance, K, margin=KEEP_SPECULATING_ABOVE)
+    start = best_depth(costs, acceptance, K, margin=SPECULATION_MARGIN)
+    record = {
+        "depth": job,
+        "depth_from": "calibration" if contract.sampled_depth is None else "given (the job's first run)",
+        "greedy_depth_at_start": start,
+        "acceptance_prior": acceptance,
+        "acceptance_prior_sampled": sampled,
+        "bare_costs": bare.as_dict(),
+        "cycle_costs": costs.as_dict(),
+        "predicted_speedup": {str(d): predicted_speedup(costs, acceptance, d) for d in range(K + 1)},
+        "predicted_speedup_sampled": {str(d): predicted_speedup(sampled_costs or costs, sampled, d)
+                                      for d in range(K + 1)},
+    }
+    if sampled_costs is not None:
+        record["cycle_costs_sampled"] = sampled_costs.as_dict()
+    if job == 0 and greedy == 0:
+        record["policy"] = "plain decoding: no depth is predicted to pay on this machine at this batch size"
+        return AutoDepth(0, 0, None, record)
+    record["policy"] = (
+        f"depth {job} in cycles with a row sampling under the residual rule (one depth per job); "
+        f"otherwise (greedy rows, or the coupled rule) 0..{K} per cycle from the running acceptance, "
+        f"starting {'at depth ' + str(start) if start else 'with speculation off'}"
+    )
+    return AutoDepth(job, K, DepthController(costs, acceptance, K, start_off=start == 0, one_row=max_batch == 1), record)

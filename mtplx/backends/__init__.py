@@ -1,0 +1,137 @@
+"""The one seam where the device chooses MTPLX's forms.
+
+On MLX's CPU backend MTPLX swaps in forms that run faster there
+(`mtplx/backends/cpu/`). On any other device (a GPU, CUDA or Metal) the trunk
+runs mlx-lm's modules as loaded, with their `mx.fast` kernels and, on Metal,
+mlx-lm's gated-delta kernel for prompts. What MTPLX keeps there is only what
+the algorithm needs, on every device:
+- the slot caches, with a length per row (`mtplx.decode.cache`);
+- the gated-delta verify that keeps the state after every step, so that
+  commit picks each row's state at its accepted step
+  (`mtplx.models.families.qwen.gated_delta_verify`);
+- the latent attention of DeepSeek/GLM in one form for every decode pass
+  (`mtplx.decode.mla`).
+
+`forms(device)` names the form chosen for each concern; the functions below
+are the choices themselves. Nothing outside this package imports
+`mtplx.backends.cpu`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+from mtplx.backends.cpu import activations, blas_threads, conv, experts, gemm_layout
+from mtplx.backends.cpu.rope_angles import RopeSpec, rope_angles
+
+__all__ = ["forms", "on_cpu", "prepare_model", "prepare_loaded", "probabilities_exp", "causal_conv",
+           "chunked_prefill", "pass_stages", "CycleThreads", "blas_info", "RopeSpec", "rope_angles"]
+
+CPU_FORMS = {
+    "linear": "cpu.gemm_layout: float32 weights stored [in, out] for BLAS's NN GEMM",
+    "activations": "cpu.activations: exp as a polynomial (prompts) or a power of two (decode); "
+                   "prompt attention in blocks of query rows",
+    "rope": "cpu.rope_angles: one cos and sin per pass for every attention layer",
+    "pass_stages": "one trunk layer per staged graph",
+    "experts": "cpu.experts: half-precision experts computed in float32",
+    "gated_delta_conv": "cpu.conv: shifted multiply-adds (float32)",
+    "gated_delta_prefill": "chunk-wise recurrence (float32 chunks of 16+ tokens)",
+    "probabilities_exp": "cpu.activations.pow_exp",
+    "blas_threads": "cpu.blas_threads: OpenBLAS threads per cycle",
+}
+GPU_FORMS = {
+    "linear": "mlx-lm nn.Linear",
+    "activations": "mlx-lm",
+    "rope": "mx.fast.rope",
+    "pass_stages": "one graph per pass",
+    "experts": "mlx-lm SwitchGLU",
+    "gated_delta_conv": "mlx-lm Conv1d",
+    "gated_delta_prefill": "mlx-lm gated-delta layer",
+    "probabilities_exp": "mx.exp",
+    "blas_threads": "none",
+}
+
+# A float32 prompt chunk at least this long runs the recurrence chunk-wise on the CPU.
+CHUNKED_PREFILL_MIN = 16
+
+
+def on_cpu(device: Optional[mx.Device] = None) -> bool:
+    device = mx.default_device() if device is None else device
+    return device.type == mx.cpu
+
+
+def forms(device: Optional[mx.Device] = None) -> Dict[str, str]:
+    """Concern -> the form MTPLX uses for it on `device` (the default device)."""
+    return dict(CPU_FORMS if on_cpu(device) else GPU_FORMS)
+
+
+def prepare_model(model) -> None:
+    """The device's in-place changes to a model MTPLX decodes with (idempotent)."""
+    if not on_cpu():
+        return
+    gemm_layout.lay_out_for_cpu_gemm(model)
+    activations.use_fast_activations(model)
+    experts.float32_experts(model)
+    conv.prepare_conv_taps(model)
+
+
+def prepare_loaded(model) -> None:
+    """What a loaded model needs to run a forward at all on the device: MLX's
+    CPU gather_mm takes float32 experts only."""
+    if on_cpu():
+        experts.float32_experts(model)
+
+
+def probabilities_exp(x: mx.array) -> mx.array:
+    """exp for the target and draft probabilities."""
+    return activations.pow_exp(x) if on_cpu() else mx.exp(x)
+
+
+def causal_conv(gdn, conv_input: mx.array, S: int) -> mx.array:
+    """A gated-delta layer's depthwise causal conv over [B, K-1+S, C] -> [B, S, C]."""
+    if on_cpu():
+        return conv.causal_conv(gdn, conv_input, S)
+    return gdn.conv1d(conv_input)
+
+
+def chunked_prefill(x: mx.array) -> bool:
+    """Whether a gated-delta layer runs this prompt chunk [B, S, H] with the
+    chunk-wise recurrence; else the layer's own forward."""
+    return on_cpu() and x.dtype == mx.float32 and x.shape[1] >= CHUNKED_PREFILL_MIN
+
+
+def pass_stages(model):
+    """(trunk layers per staged graph, the RoPE whose angles a pass makes once
+    for every layer) for a decode pass; (None, None): one graph, each layer
+    rotating on its own."""
+    if not on_cpu():
+        return None, None
+    return 1, activations.shared_rope_spec(model)
+
+
+class CycleThreads:
+    """OpenBLAS's thread count for each decode cycle and prompt pass on the CPU
+    (`cpu.blas_threads`); nothing on other devices."""
+
+    def __init__(self, model):
+        self.active = on_cpu()
+        self.row_cost = blas_threads.gemm_row_cost(model) if self.active else None
+
+    def for_rows(self, rows: int) -> None:
+        if self.active:
+            blas_threads.use_threads(blas_threads.decode_threads(self.row_cost, rows), self)
+
+    def for_prompts(self) -> None:
+        if self.active:
+            blas_threads.use_threads(None, self)
+
+    def release(self) -> None:
+        if self.active:
+            blas_threads.release_threads(self)
+
+
+def blas_info() -> dict:
+    """OpenBLAS's kernels and thread count, where it is loaded."""
+    return {"core": blas_threads.openblas_core(), "threads": blas_threads.openblas_threads()}

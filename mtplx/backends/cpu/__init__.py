@@ -1,0 +1,1 @@
+"""The CPU backend's own forms (chosen only through `mtplx.backends`)."""

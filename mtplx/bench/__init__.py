@@ -1,0 +1,1 @@
+"""`mtplx bench`: MTPLX against mlx-lm's `batch_generate` on the same model and prompts."""

@@ -1,0 +1,5 @@
+import sys
+
+from mtplx.bench.run import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Decoding: the batched speculative decode loop, its caches, draws and acceptance rules."""

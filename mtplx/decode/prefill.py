@@ -1,0 +1,217 @@
+"""Prefill prompts: the trunk over each prompt but its last token, in
+chunks, and the head over the prompt's pairs, so the head's history is
+complete before the first draft; then the last tokens as one one-position
+step, as every later token is decoded, whose logits give the first token.
+
+Prompts are prefilled together, right-padded to the longest (each with its
+own last token). Right padding is exact for both layer kinds: a row's
+queries only look back, and mlx-lm's gated-delta layer freezes its state
+(and conv window) past each row's `lengths`. Each row's caches are then cut
+to its own length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import mlx.core as mx
+
+from mtplx.decode.cache import SlotGDNCache, make_slot_caches, rounded_capacity
+from mtplx.decode.passes import StagedPass
+
+
+@dataclass
+class RowKV:
+    keys: mx.array  # [1, H, L, Dk]
+    values: mx.array  # [1, H, L, Dv]
+
+
+@dataclass
+class RowGDN:
+    conv: mx.array  # [1, K-1, C]
+    state: mx.array  # [1, Hv, Dv, Dk]
+
+
+@dataclass
+class Prefilled:
+    trunk_cache: list  # per trunk layer: RowKV (L entries) or RowGDN
+    head_cache: Optional[list]  # per head layer: RowKV of L-1 pairs (h_t, x_{t+1})
+    last_logits: mx.array  # [1, V] the trunk's logits after the last prompt token
+    last_hidden: mx.array  # [1, H] the head-facing hidden state at the last position
+    length: int
+
+
+@dataclass
+class _PromptPass:
+    """One group's prompt pass over every prompt but its last token."""
+
+    cache: Optional[list]  # mlx-lm trunk caches, right-padded to L positions (None once copied to slots)
+    head_cache: Optional[list]  # mlx-lm head caches: pairs (h_t, x_{t+1}) for t < L
+    L: int  # the group's longest prefix
+    rows: int
+
+
+def prompt_pass(model, prompts: List[List[int]], chunk: int, with_head: bool) -> _PromptPass:
+    """The trunk over each prompt but its last token, in chunks, and the head
+    over the prompt's pairs, right-padded together."""
+    prefix = [len(p) - 1 for p in prompts]
+    L = max(prefix)
+    # A row is padded with its own last token: whatever the pad computes is
+    # discarded, but a pad whose forward is non-finite would still poison
+    # the row's real positions (0 x NaN in masked attention and in the
+    # chunk-wise gated delta), and this token would have poisoned it anyway.
+    tokens = mx.array([p + p[-1:] * (L - n) for p, n in zip(prompts, prefix)], dtype=mx.int32)  # [B, L+1]
+    cache = model.make_cache()
+    for c in cache:
+        if hasattr(c, "lengths"):  # gated-delta: freeze past each row's prefix
+            c.lengths = mx.array(prefix, dtype=mx.int32)  # one per layer: each counts it down
+    head_cache = model.make_head_cache() if with_head else None
+    for start in range(0, L, chunk):
+        T = min(chunk, L - start)
+        # Only caches are read from this pass, so its logits are never computed.
+        _, hidden = model.forward(tokens[:, start : start + T], cache)  # [B, T, H]
+        if with_head:
+            # Pairs (h_t, x_{t+1}): each prefix position's next token is in the prompt.
+            for j in range(model.num_head_layers):
+                model.head(hidden, tokens[:, start + 1 : start + T + 1], cache=head_cache, depth=j + 1)
+        mx.eval([c.state for c in cache] + ([c.state for c in head_cache] if head_cache else []))
+    return _PromptPass(cache, head_cache, L, len(prompts))
+
+
+def last_token_step(model, passes: List[_PromptPass], prefix: List[int], last: List[int],
+                    step: Optional[StagedPass] = None):
+    """Every row's last prompt token in one one-position step. mlx-lm's
+    prompt pass stops one token short and feeds the last one so, and every
+    later token is decoded so. A pass over the whole prompt computes that
+    position in its multi-position form instead, and in half precision the
+    forms round apart: on bf16 DeepSeek-V3 checkpoints (whose latent
+    attention has a one-position form of its own) greedy decoding then left
+    mlx-lm's on 7 of 40 prompts, through that position's cache entries.
+
+    The groups' prompt caches (row b `prefix[b]` long, rows in group order)
+    become one batch of slot caches, which gives each row's step its own
+    position, so one step serves every group. `step` runs it (the runtime's
+    compiled pass; eager without one). Returns the slot caches, the logits
+    [B, 1, V] and the head-facing hidden states [B, 1, H], evaluated."""
+    B = len(last)
+    rows, capacity = B, max(p.L for p in passes) + 1
+    if step is not None and step.compiled:
+        # A compiled pass is traced once per shape: a power of two of rows
+        # (empty ones past B) and whole capacity steps, as decode batches are.
+        rows, capacity = 1 << (B - 1).bit_length(), rounded_capacity(capacity)
+    slots = make_slot_caches(model.layer_kinds, rows)
+    for i, s in enumerate(slots):
+        caches = [p.cache[i] for p in passes]
+        if isinstance(s, SlotGDNCache):
+            conv = _stacked(passes, [c[0] for c in caches], rows, None)  # [rows, K-1, C]
+            if conv is not None:
+                s.conv, s.state = conv, _stacked(passes, [c[1] for c in caches], rows, None)  # [rows, Hv, Dv, Dk]
+        else:
+            keys = _stacked(passes, [c.keys for c in caches], rows, capacity)
+            if keys is not None:
+                s.keys, s.values = keys, _stacked(passes, [c.values for c in caches], rows, capacity)
+                s.lengths = mx.array(prefix + [0] * (rows - B), dtype=mx.int32)  # [rows]
+                s.host_max = capacity - 1
+    for p in passes:
+        p.cache = None  # the slot caches replace them: a group's KV is not held twice
+    tokens = mx.array([[t] for t in last] + [[0]] * (rows - B), dtype=mx.int32)  # [rows, 1]
+    logits, hidden = step((tokens,), slots, T=1) if step is not None else model.forward(tokens, slots)
+    mx.eval([a for s in slots for a in s.arrays if a is not None] + [logits, hidden])
+    return slots, logits[:B], hidden[:B]  # [B, 1, V], [B, 1, H]
+
+
+def _stacked(passes: List[_PromptPass], arrays: list, rows: int, length: Optional[int]) -> Optional[mx.array]:
+    """The groups' arrays of one cache ([B_g, ...]; KV [B_g, H, C, D] cut to
+    the group's L and zero-padded to `length` positions) as one [rows, ...]
+    array, zero rows past them and for a group without one (its prompts are
+    one token long); None when no group has one."""
+    ref = next((a for a in arrays if a is not None), None)
+    if ref is None:
+        return None
+    parts = []
+    for p, a in zip(passes, arrays):
+        shape = (p.rows, *ref.shape[1:])
+        if length is not None:
+            shape = (p.rows, shape[1], length, shape[3])
+            if a is not None:
+                a = mx.pad(a[:, :, : p.L], [(0, 0), (0, 0), (0, length - p.L), (0, 0)])
+        parts.append(a if a is not None else mx.zeros(shape, dtype=ref.dtype))
+    out = mx.concatenate(parts, axis=0)
+    return mx.pad(out, [(0, rows - out.shape[0])] + [(0, 0)] * (out.ndim - 1)) if rows > out.shape[0] else out
+
+
+def _row(trunk: list, head_cache, logits, hidden, b: int, g: int, n: int) -> Prefilled:
+    """Row b of the step's slot caches and row g of its group's head caches,
+    for a prompt of n tokens."""
+    rows = []
+    for s in trunk:
+        if isinstance(s, SlotGDNCache):
+            rows.append(RowGDN(s.conv[b : b + 1], s.state[b : b + 1]))
+        else:
+            rows.append(RowKV(s.keys[b : b + 1, :, :n], s.values[b : b + 1, :, :n]))
+    head = None
+    if head_cache is not None:
+        head = [
+            RowKV(c.keys[g : g + 1, :, : n - 1], c.values[g : g + 1, :, : n - 1]) if c.keys is not None else None
+            for c in head_cache
+        ]
+    return Prefilled(rows, head, logits[b : b + 1, 0], hidden[b : b + 1, 0], n)
+
+
+def prefill_groups(model, prompts: List[List[int]], groups: List[List[int]], chunk: int, with_head: bool,
+                   step: Optional[StagedPass] = None) -> List[Prefilled]:
+    """A prompt pass per group of prompt indices, then one last-token step
+    for them all; results in input order."""
+    passes = [prompt_pass(model, [prompts[i] for i in g], chunk, with_head) for g in groups]
+    order = [i for g in groups for i in g]
+    trunk, logits, hidden = last_token_step(
+        model, passes, [len(prompts[i]) - 1 for i in order], [prompts[i][-1] for i in order], step)
+    out: List[Optional[Prefilled]] = [None] * len(prompts)
+    b = 0
+    for g, p in zip(groups, passes):
+        for j, i in enumerate(g):
+            out[i] = _row(trunk, p.head_cache, logits, hidden, b, j, len(prompts[i]))
+            b += 1
+    return out
+
+
+def prefill_batch(model, prompts: List[List[int]], chunk: int, with_head: bool,
+                  step: Optional[StagedPass] = None) -> List[Prefilled]:
+    """Every prompt in one prompt pass, right-padded to the longest."""
+    return prefill_groups(model, prompts, [list(range(len(prompts)))], chunk, with_head, step)
+
+
+# What one more prefill call costs, in padded prompt positions (a row x a
+# position). Prefill time here is about 10 ms per call plus 0.3-0.4 ms per
+# padded position (built-in model, batch 1-16, 16-128-token prompts).
+PREFILL_CALL_POSITIONS = 32
+
+
+def prefill_by_length(model, prompts: List[List[int]], chunk: int, with_head: bool,
+                      call_positions: int = PREFILL_CALL_POSITIONS, step: Optional[StagedPass] = None) -> List[Prefilled]:
+    """A prompt pass per group of similar lengths, results in input order. A
+    pass is padded to its longest prompt, and prompts of 30 and 128 tokens
+    padded together compute 98 positions for nothing; a group per length
+    range costs a call each instead (`length_groups`)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    runs = length_groups([len(prompts[i]) for i in order], call_positions)
+    return prefill_groups(model, prompts, [order[a:b] for a, b in runs], chunk, with_head, step)
+
+
+def length_groups(lengths: List[int], call_positions: int) -> List[tuple]:
+    """Ascending `lengths` cut into runs [a, b) that minimise the sum over
+    runs of call_positions + rows x longest (dynamic programming)."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of lengths[:j]
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + call_positions + (j - i) * lengths[j - 1]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs, j = [], n
+    while j > 0:
+        runs.append((cut[j], j))
+        j = cut[j]
+    return runs[::-1]

@@ -1,1 +1,0 @@
-"""One adapter per model family; importing a module registers it."""

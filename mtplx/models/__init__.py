@@ -1,0 +1,1 @@
+"""Checkpoints: loading MTP releases, their model families, conversion and description."""
