@@ -12,6 +12,7 @@ PY := $(VENV)/bin/python
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 JEMALLOC := /usr/lib/x86_64-linux-gnu/libjemalloc.so.2
 STAMP := $(VENV)/.installed
+LINTED := mtplx pipeline tests jobs
 # Runs its argument with OpenBLAS and jemalloc preloaded where they exist (Linux), plainly elsewhere,
 # and OpenBLAS's idle threads sleeping after ~0.4 ms instead of spinning ~0.1 s (pipeline/preload.py).
 MLXENV = P=""; for l in $(OPENBLAS) $(JEMALLOC); do if [ -e $$l ]; then P="$$P $$l"; fi; done; \
@@ -50,10 +51,12 @@ run: install
 
 # ruff: the formatter's import order and the linter's checks (pyproject.toml).
 lint: install
-	$(VENV)/bin/ruff check mtplx pipeline tests jobs
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/ruff check $(LINTED)
 
 format: install
-	$(VENV)/bin/ruff check --fix mtplx pipeline tests jobs
+	$(VENV)/bin/ruff format $(LINTED)
+	$(VENV)/bin/ruff check --fix $(LINTED)
 
 test: install lint
 	$(MLXENV) $(PY) -m pytest -q -m "not slow" tests

@@ -39,22 +39,26 @@ def build(out: Path) -> dict:
     topics = evenly_spaced([e for e in examples if e.summary], MAX_TOPICS)
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(
-        pa.table({
-            "id": [e.id for e in prompts],
-            "module": [e.module for e in prompts],
-            "prompt": [e.prompt for e in prompts],
-            "reference": [e.reference for e in prompts],
-        }),
+        pa.table(
+            {
+                "id": [e.id for e in prompts],
+                "module": [e.module for e in prompts],
+                "prompt": [e.prompt for e in prompts],
+                "reference": [e.reference for e in prompts],
+            }
+        ),
         out / "prompts.parquet",
     )
     pq.write_table(
-        pa.table({
-            "id": [e.id for e in topics],
-            "module": [e.module for e in topics],
-            "function": [e.name for e in topics],
-            "signature": [e.signature.rstrip("\n") for e in topics],
-            "summary": [e.summary for e in topics],
-        }),
+        pa.table(
+            {
+                "id": [e.id for e in topics],
+                "module": [e.module for e in topics],
+                "function": [e.name for e in topics],
+                "signature": [e.signature.rstrip("\n") for e in topics],
+                "summary": [e.summary for e in topics],
+            }
+        ),
         out / "topics.parquet",
     )
     return {"prompts": len(prompts), "topics": len(topics)}

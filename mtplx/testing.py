@@ -94,8 +94,11 @@ def _family(name):
 # loader shifts. The gated-delta output norm (`linear_attn.norm`) is plain.
 _QWEN_SHIFTED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
 _QWEN_SHIFTED_EXACT = (
-    "model.language_model.norm.weight", "model.norm.weight",
-    "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+    "model.language_model.norm.weight",
+    "model.norm.weight",
+    "mtp.norm.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
 )
 
 
@@ -182,8 +185,13 @@ def _qwen_checkpoint(model_type: str, text_type: str, moe: bool, nested: bool):
         tc = _qwen_text_config(text_type, moe, o)
         if nested:
             arch = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
-            config = {"architectures": [arch], "model_type": model_type, "text_config": tc,
-                      "tie_word_embeddings": tc["tie_word_embeddings"], "eos_token_id": tc["eos_token_id"]}
+            config = {
+                "architectures": [arch],
+                "model_type": model_type,
+                "text_config": tc,
+                "tie_word_embeddings": tc["tie_word_embeddings"],
+                "eos_token_id": tc["eos_token_id"],
+            }
         else:
             config = dict(tc, model_type=model_type, architectures=["Qwen3NextForCausalLM"])
             config.setdefault("partial_rotary_factor", 0.25)
@@ -195,7 +203,9 @@ def _qwen_checkpoint(model_type: str, text_type: str, moe: bool, nested: bool):
         tensors = {}
         for name, v in tree_flatten(trunk.parameters()):
             if nested:
-                name = name.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head", "lm_head")
+                name = name.replace("language_model.model.", "model.language_model.").replace(
+                    "language_model.lm_head", "lm_head"
+                )
             tensors.update(_qwen_layer_to_hf(name, v, fused))
         n_mtp = tc["mtp_num_hidden_layers"]
         if n_mtp:
@@ -258,19 +268,52 @@ def _deepseek_family_config(model_type: str, o: dict) -> dict:
         "torch_dtype": "bfloat16",
     }
     if model_type == "deepseek_v3":
-        cfg.update(_DEEPSEEK_MLA, architectures=["DeepseekV3ForCausalLM"], n_group=2, topk_group=1,
-                   topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1, rms_norm_eps=1e-6,
-                   rope_theta=10000.0, attention_bias=False,
-                   rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
-                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+        cfg.update(
+            _DEEPSEEK_MLA,
+            architectures=["DeepseekV3ForCausalLM"],
+            n_group=2,
+            topk_group=1,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            moe_layer_freq=1,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            attention_bias=False,
+            rope_scaling={
+                "type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        )
     elif model_type == "glm4_moe":
-        cfg.update(architectures=["Glm4MoeForCausalLM"], num_attention_heads=4, head_dim=16,
-                   partial_rotary_factor=0.5, rms_norm_eps=1e-5, rope_theta=1000000.0, rope_scaling=None,
-                   use_qk_norm=False, attention_bias=True)
+        cfg.update(
+            architectures=["Glm4MoeForCausalLM"],
+            num_attention_heads=4,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            rms_norm_eps=1e-5,
+            rope_theta=1000000.0,
+            rope_scaling=None,
+            use_qk_norm=False,
+            attention_bias=True,
+        )
     else:  # glm4_moe_lite
-        cfg.update(_DEEPSEEK_MLA, architectures=["Glm4MoeLiteForCausalLM"], topk_method="noaux_tc",
-                   scoring_func="sigmoid", moe_layer_freq=1, rms_norm_eps=1e-5, rope_theta=1000000.0,
-                   rope_scaling=None, partial_rotary_factor=1.0, attention_bias=False)
+        cfg.update(
+            _DEEPSEEK_MLA,
+            architectures=["Glm4MoeLiteForCausalLM"],
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            moe_layer_freq=1,
+            rms_norm_eps=1e-5,
+            rope_theta=1000000.0,
+            rope_scaling=None,
+            partial_rotary_factor=1.0,
+            attention_bias=False,
+        )
     cfg.update(o)
     return cfg
 
@@ -309,7 +352,12 @@ def _fp8_layers(tensors: Dict[str, mx.array], block: int) -> Dict[str, mx.array]
     # lm heads, norms, the router and eh_proj stay in high precision.
     out = {}
     for k, v in tensors.items():
-        if (".layers." in k or ".mtp_layers." in k) and k.endswith("_proj.weight") and v.ndim == 2 and "eh_proj" not in k:
+        if (
+            (".layers." in k or ".mtp_layers." in k)
+            and k.endswith("_proj.weight")
+            and v.ndim == 2
+            and "eh_proj" not in k
+        ):
             out[k], out[k + "_scale_inv"] = fp8_block_quantize(v, block)
         else:
             out[k] = v
@@ -344,7 +392,7 @@ def _deepseek_head_to_hf(name: str, v: mx.array, n_trunk: int, n_mtp: int) -> Di
         # Every MTP layer of a release carries a copy of the shared embedding.
         return {f"model.layers.{n_trunk + j}.embed_tokens.weight": v for j in range(n_mtp)}
     _, j, rest = name.split(".", 2)  # layers.{j}.rest
-    rest = rest[len("mtp_block."):] if rest.startswith("mtp_block.") else rest
+    rest = rest[len("mtp_block.") :] if rest.startswith("mtp_block.") else rest
     return {f"model.layers.{n_trunk + int(j)}.{rest}": v}
 
 
@@ -400,6 +448,6 @@ def _mimo_checkpoint(o: dict):
         _randomize_norms(head)
         for name, v in tree_flatten(head.parameters()):
             _, j, rest = name.split(".", 2)  # layers.{j}.rest
-            rest = rest[len("mtp_block."):] if rest.startswith("mtp_block.") else rest
+            rest = rest[len("mtp_block.") :] if rest.startswith("mtp_block.") else rest
             tensors[f"model.mtp_layers.{j}.{rest}"] = v
     return config, tensors

@@ -47,21 +47,40 @@ class MemoryType(click.ParamType):
 
 
 def _run_options(f):
-    f = click.option("--max-memory", type=MemoryType(), default=None,
-                     help="Memory cap, e.g. 8GB or 512MiB: the runtime's slot count and prefill chunk are sized "
-                          "to fit it (an estimate from the checkpoint; see docs/pipeline.md).")(f)
-    f = click.option("--logprobs", is_flag=True, help="Add a `logprobs` column: the log-probability of each "
-                                                      "completion token under the target model.")(f)
-    f = click.option("--quiet", "-q", is_flag=True, help="No progress bar or info lines (for cron); errors "
-                                                         "still go to stderr.")(f)
-    f = click.option("--dry-run", is_flag=True, help="Validate the spec and input, count rows and prompt tokens, "
-                                                     "report row errors already visible and the planned output; "
-                                                     "the weights are not loaded and nothing is written.")(f)
-    f = click.option("--retry-errors", is_flag=True,
-                     help="Resume, and run again the rows a previous run wrote with an error (they are taken out "
-                          "of their part files first). Default: a resumed job keeps them as they are.")(f)
-    f = click.option("--overwrite", is_flag=True, help="Remove a previous run's parts, manifest and summary in the "
-                                                       "output directory and start over (default: resume).")(f)
+    f = click.option(
+        "--max-memory",
+        type=MemoryType(),
+        default=None,
+        help="Memory cap, e.g. 8GB or 512MiB: the runtime's slot count and prefill chunk are sized "
+        "to fit it (an estimate from the checkpoint; see docs/pipeline.md).",
+    )(f)
+    f = click.option(
+        "--logprobs",
+        is_flag=True,
+        help="Add a `logprobs` column: the log-probability of each completion token under the target model.",
+    )(f)
+    f = click.option(
+        "--quiet", "-q", is_flag=True, help="No progress bar or info lines (for cron); errors still go to stderr."
+    )(f)
+    f = click.option(
+        "--dry-run",
+        is_flag=True,
+        help="Validate the spec and input, count rows and prompt tokens, "
+        "report row errors already visible and the planned output; "
+        "the weights are not loaded and nothing is written.",
+    )(f)
+    f = click.option(
+        "--retry-errors",
+        is_flag=True,
+        help="Resume, and run again the rows a previous run wrote with an error (they are taken out "
+        "of their part files first). Default: a resumed job keeps them as they are.",
+    )(f)
+    f = click.option(
+        "--overwrite",
+        is_flag=True,
+        help="Remove a previous run's parts, manifest and summary in the "
+        "output directory and start over (default: resume).",
+    )(f)
     return f
 
 
@@ -118,19 +137,35 @@ def cli():
 @cli.command("run")
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--model", "model", default=None, help="Checkpoint directory to use instead of the spec's [model] path.")
-@click.option("--output", "output", default=None, type=click.Path(path_type=Path),
-              help="Output directory to use instead of the spec's [output] path.")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default=None,
-              help="Where the job runs: this process (local) or a Ray cluster (ray; needs "
-                   "pip install 'mtplx[ray]', see docs/ray.md) [default: the spec's engine, else local].")
-@click.option("--address", default=None, help="Ray cluster address (e.g. auto, HEAD:6379, ray://HEAD:10001) "
-                                              "instead of the spec's [ray] address; with --engine ray.")
-@click.option("--actors", type=click.IntRange(1), default=None,
-              help="Ray actors (model copies), instead of the spec's [ray] actors [default: one per node "
-                   "advertising the mlx resource, else one per node]; with --engine ray.")
+@click.option(
+    "--output",
+    "output",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Output directory to use instead of the spec's [output] path.",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="Where the job runs: this process (local) or a Ray cluster (ray; needs "
+    "pip install 'mtplx[ray]', see docs/ray.md) [default: the spec's engine, else local].",
+)
+@click.option(
+    "--address",
+    default=None,
+    help="Ray cluster address (e.g. auto, HEAD:6379, ray://HEAD:10001) "
+    "instead of the spec's [ray] address; with --engine ray.",
+)
+@click.option(
+    "--actors",
+    type=click.IntRange(1),
+    default=None,
+    help="Ray actors (model copies), instead of the spec's [ray] actors [default: one per node "
+    "advertising the mlx resource, else one per node]; with --engine ray.",
+)
 @_run_options
-def run_cmd(job, model, output, engine, address, actors, overwrite, retry_errors, dry_run, quiet, logprobs,
-            max_memory):
+def run_cmd(job, model, output, engine, address, actors, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory):
     """Run the job spec JOB (TOML).
 
     Rows are written to part-NNNNN.parquet files in the spec's [output] path,
@@ -159,7 +194,9 @@ def _with_engine(spec, engine, address, actors):
     if engine:
         spec = replace(spec, engine=engine)
     if (address or actors) and spec.engine != "ray":
-        raise JobError("--address and --actors apply to the Ray engine: add --engine ray (or engine = \"ray\" in the spec)")
+        raise JobError(
+            '--address and --actors apply to the Ray engine: add --engine ray (or engine = "ray" in the spec)'
+        )
     ray = spec.ray
     if address:
         ray = replace(ray, address=address)
@@ -170,36 +207,103 @@ def _with_engine(spec, engine, address, actors):
 
 @cli.command("generate")
 @click.option("--input", "input_path", required=True, help="Parquet file, directory or glob of prompts.")
-@click.option("--output", "output_path", required=True, type=click.Path(path_type=Path),
-              help="Output directory for the part files and summary.json.")
+@click.option(
+    "--output",
+    "output_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Output directory for the part files and summary.json.",
+)
 @click.option("--model", default=None, help="Checkpoint directory (default: the built-in model).")
 @click.option("--prompt-column", default="prompt", show_default=True, help="Column holding the prompt text.")
-@click.option("--messages-column", default=None, help="Use a column of chat messages instead (OpenAI format; the "
-                                                      "tokenizer's chat template is applied).")
-@click.option("--id-column", default=None,
-              help="Column of unique row ids [default: `id` when the input has one, else the row index]; "
-                   "'' keys the rows by row index even when the input has an `id` column.")
+@click.option(
+    "--messages-column",
+    default=None,
+    help="Use a column of chat messages instead (OpenAI format; the tokenizer's chat template is applied).",
+)
+@click.option(
+    "--id-column",
+    default=None,
+    help="Column of unique row ids [default: `id` when the input has one, else the row index]; "
+    "'' keys the rows by row index even when the input has an `id` column.",
+)
 @click.option("--keep-column", "keep_columns", multiple=True, help="Input column to copy into the output (repeatable).")
-@click.option("--depth", type=DepthType(), default=2, show_default=True,
-              help="MTP draft tokens per cycle; 0 decodes plainly; 'auto' picks from a cost model.")
-@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True, help="Decode slots (rows at once); a job with fewer rows left uses one slot per row.")
-@click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True, help="Tokens per completion at most.")
+@click.option(
+    "--depth",
+    type=DepthType(),
+    default=2,
+    show_default=True,
+    help="MTP draft tokens per cycle; 0 decodes plainly; 'auto' picks from a cost model.",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1),
+    default=16,
+    show_default=True,
+    help="Decode slots (rows at once); a job with fewer rows left uses one slot per row.",
+)
+@click.option(
+    "--max-tokens", type=click.IntRange(1), default=256, show_default=True, help="Tokens per completion at most."
+)
 @click.option("-n", "--n", "n", type=click.IntRange(1), default=1, show_default=True, help="Samples per prompt.")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              help="Nucleus sampling: draw from the most likely tokens holding this much probability; 1 = off.")
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Nucleus sampling: draw from the most likely tokens holding this much probability; 1 = off.",
+)
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")
-@click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
-              help="Drop tokens less likely than this fraction of the most likely token's probability; 0 = off.")
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Job seed; with the row id it "
-                                                                                  "keys every random draw.")
+@click.option(
+    "--min-p",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.0,
+    show_default=True,
+    help="Drop tokens less likely than this fraction of the most likely token's probability; 0 = off.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Job seed; with the row id it keys every random draw.",
+)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--flush-rows", type=click.IntRange(1), default=1000, show_default=True,
-              help="Write a part file every this many rows.")
+@click.option(
+    "--flush-rows",
+    type=click.IntRange(1),
+    default=1000,
+    show_default=True,
+    help="Write a part file every this many rows.",
+)
 @_run_options
-def generate_cmd(input_path, output_path, model, prompt_column, messages_column, id_column, keep_columns, depth,
-                 batch_size, max_tokens, n, temperature, top_p, top_k, min_p, seed, stop, flush_rows,
-                 overwrite, retry_errors, dry_run, quiet, logprobs, max_memory):
+def generate_cmd(
+    input_path,
+    output_path,
+    model,
+    prompt_column,
+    messages_column,
+    id_column,
+    keep_columns,
+    depth,
+    batch_size,
+    max_tokens,
+    n,
+    temperature,
+    top_p,
+    top_k,
+    min_p,
+    seed,
+    stop,
+    flush_rows,
+    overwrite,
+    retry_errors,
+    dry_run,
+    quiet,
+    logprobs,
+    max_memory,
+):
     """Complete every prompt of a Parquet input: a job from flags, run by the
     same engine as `mtplx run` (same output, resume and exit codes)."""
     from .spec import spec_from_dict
@@ -225,8 +329,10 @@ def generate_cmd(input_path, output_path, model, prompt_column, messages_column,
         _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory)
     except JobError as e:
         if defaulted and id_column and str(e).startswith(f"id column {id_column!r}") and "--id-column" not in str(e):
-            raise JobError(f"{e} (the input's {id_column!r} column was taken as the row ids; "
-                           f"--id-column '' keys the rows by row index)") from None
+            raise JobError(
+                f"{e} (the input's {id_column!r} column was taken as the row ids; "
+                f"--id-column '' keys the rows by row index)"
+            ) from None
         raise
 
 
@@ -259,8 +365,14 @@ def _check_resume_flags(overwrite: bool, retry_errors: bool) -> None:
 def _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory):
     from .runner import RunOptions, run_job
 
-    opts = RunOptions(overwrite=overwrite, retry_errors=retry_errors, dry_run=dry_run, quiet=quiet, logprobs=logprobs,
-                      max_memory=max_memory)
+    opts = RunOptions(
+        overwrite=overwrite,
+        retry_errors=retry_errors,
+        dry_run=dry_run,
+        quiet=quiet,
+        logprobs=logprobs,
+        max_memory=max_memory,
+    )
     log = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     result = run_job(spec, opts, log=log)
     if dry_run or not quiet:

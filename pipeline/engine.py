@@ -16,9 +16,17 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from .errors import JobError
 from .spec import JobSpec
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,9 @@ class Engine:
         return dict(getattr(self.runtime, "stats", {}) or {})
 
 
-OpenEngine = Callable[..., Engine]  # (ref, spec, max_memory[, sampled_depth=]) -> Engine; the last for auto resumes only
+OpenEngine = Callable[
+    ..., Engine
+]  # (ref, spec, max_memory[, sampled_depth=]) -> Engine; the last for auto resumes only
 
 
 def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled_depth: Optional[int] = None) -> Engine:
@@ -137,7 +147,9 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled
     sizing = size_runtime(model, spec, max_memory)
     try:
         contract = mtplx.MTPContract(
-            depth=spec.model.depth, acceptance=spec.model.acceptance, prefill_chunk=sizing.prefill_chunk,
+            depth=spec.model.depth,
+            acceptance=spec.model.acceptance,
+            prefill_chunk=sizing.prefill_chunk,
             sampled_depth=sampled_depth if spec.model.depth == "auto" else None,
         )
         runtime = mtplx.MTPLXRuntime(model, contract=contract, max_batch=sizing.max_batch)

@@ -94,7 +94,9 @@ def check_ids(make_batches: Callable[[], Iterable[pa.RecordBatch]], column: str,
         nulls = values.null_count
         if nulls:
             first = seen + pc.index(pc.is_null(values), True).as_py()
-            raise JobError(f"id column {column!r} of {label} has null ids (first at row {first}); every row needs an id")
+            raise JobError(
+                f"id column {column!r} of {label} has null ids (first at row {first}); every row needs an id"
+            )
         hashes.append(id_hashes(values))
         seen += len(values)
     keys = np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64)
@@ -104,11 +106,16 @@ def check_ids(make_batches: Callable[[], Iterable[pa.RecordBatch]], column: str,
     if len(dup):
         rows = sorted(order[[dup[0], dup[0] + 1]].tolist())
         values = [id_value_at(make_batches(), r) for r in rows]
-        what = f"id {values[0]!r}" if values[0] == values[1] else f"ids {values[0]!r} and {values[1]!r} (64-bit key collision)"
+        what = (
+            f"id {values[0]!r}"
+            if values[0] == values[1]
+            else f"ids {values[0]!r} and {values[1]!r} (64-bit key collision)"
+        )
         raise JobError(
             f"duplicate ids in column {column!r} of {label}: rows {rows[0]} and {rows[1]} share {what} "
             f"({len(dup)} repeat{'s' if len(dup) > 1 else ''} in all); ids must be unique because output rows "
-            "and resume are keyed by them (leave [input] id_column unset, or pass --id-column '', to key rows by row index)"
+            "and resume are keyed by them (leave [input] id_column unset, or pass --id-column '', "
+            "to key rows by row index)"
         )
     return seen
 

@@ -77,8 +77,13 @@ def open_input(spec: InputSpec, *, exclude: Optional[Path] = None) -> InputSourc
         rows += meta.num_rows
         prints.append(_file_fingerprint(f, root, meta.num_rows))
     return InputSource(
-        label=spec.path, schema=_reference_schema(schemas), num_rows=rows, files=files, file_schemas=schemas,
-        fingerprint={"kind": "parquet", "files": prints}, id_column=spec.id_column,
+        label=spec.path,
+        schema=_reference_schema(schemas),
+        num_rows=rows,
+        files=files,
+        file_schemas=schemas,
+        fingerprint={"kind": "parquet", "files": prints},
+        id_column=spec.id_column,
     )
 
 
@@ -114,8 +119,10 @@ def _typed_as(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     """`batch` with its null-typed columns as the reference schema's nulls."""
     if not any(pa.types.is_null(t) for t in batch.schema.types):
         return batch
-    columns = [pa.nulls(len(c), schema.field(name).type) if pa.types.is_null(c.type) else c
-               for name, c in zip(batch.schema.names, batch.columns)]
+    columns = [
+        pa.nulls(len(c), schema.field(name).type) if pa.types.is_null(c.type) else c
+        for name, c in zip(batch.schema.names, batch.columns)
+    ]
     return pa.RecordBatch.from_arrays(columns, names=batch.schema.names)
 
 
@@ -138,8 +145,9 @@ def parquet_files(pattern: str, *, exclude: Optional[Path] = None) -> List[Path]
     elif p.is_dir():
         if skip is not None and _inside(p, skip):  # the job's parts would come back as input on every rerun
             what = "is" if p.resolve() == skip else "contains"
-            raise JobError(f"the output directory {exclude} {what} the input {pattern}; "
-                           "pick an output directory outside it")
+            raise JobError(
+                f"the output directory {exclude} {what} the input {pattern}; pick an output directory outside it"
+            )
         files = sorted(f for f in p.rglob("*.parquet") if f.is_file() and not _hidden(f, p))
     elif p.is_file():  # one file cannot pick up the parts, wherever the output lies
         return [p]
@@ -248,8 +256,14 @@ def _open_dataset(spec: InputSpec) -> InputSource:
     except Exception as e:  # datasets raises many unrelated types
         raise JobError(f"cannot load dataset {name!r}: {_first_line(e)}") from None
     fingerprint = {"kind": "datasets", "fingerprint": getattr(ds, "_fingerprint", None), "rows": ds.num_rows}
-    return InputSource(label=name, schema=decoded_schema(ds.data.schema), num_rows=ds.num_rows, fingerprint=fingerprint,
-                       dataset=ds, id_column=spec.id_column)
+    return InputSource(
+        label=name,
+        schema=decoded_schema(ds.data.schema),
+        num_rows=ds.num_rows,
+        fingerprint=fingerprint,
+        dataset=ds,
+        id_column=spec.id_column,
+    )
 
 
 def _saved_to_disk(p: Path) -> bool:
@@ -274,9 +288,11 @@ def _checked(batches: Iterator[pa.RecordBatch], id_column: Optional[str], where:
         if id_column is not None:
             bad = first_invalid_text(batch.column(id_column))
             if bad is not None:
-                raise JobError(f"id column {id_column!r} of {where} holds an id that is not valid UTF-8 "
-                               f"(row {seen + bad}); fix the input, or leave [input] id_column unset (--id-column '') "
-                               "to key rows by row index")
+                raise JobError(
+                    f"id column {id_column!r} of {where} holds an id that is not valid UTF-8 "
+                    f"(row {seen + bad}); fix the input, or leave [input] id_column unset (--id-column '') "
+                    "to key rows by row index"
+                )
         seen += batch.num_rows
         yield batch
 

@@ -66,8 +66,16 @@ def finish_holding_signals(job: Prepared, out: Path, run: dict, runtime: dict, s
 def finish_job(job: Prepared, out: Path, run: dict, runtime: dict) -> RunResult:
     """summary.json from the parts plus this run's figures; the exit code."""
     model = {"path": str(job.ref.path), "default": job.ref.is_default, "fingerprint": job.ref.fingerprint}
-    summary = build_summary(out, name=job.spec.name, spec=job.spec.to_dict(), manifest=job.manifest, model=model,
-                            input_rows=job.source.num_rows, run=run, runtime=runtime)
+    summary = build_summary(
+        out,
+        name=job.spec.name,
+        spec=job.spec.to_dict(),
+        manifest=job.manifest,
+        model=model,
+        input_rows=job.source.num_rows,
+        run=run,
+        runtime=runtime,
+    )
     write_json_atomic(out / SUMMARY, summary)
     warnings = []
     if summary["errors"]:

@@ -22,9 +22,15 @@ def _fail(message: str):
 @click.argument("dst", type=click.Path())
 @click.option("--q-bits", type=click.Choice(["4", "8"]), default=None, help="Quantise the weights to this many bits.")
 @click.option("--q-group-size", type=int, default=64, show_default=True, help="Quantisation group size.")
-@click.option("--keep-head-precision", is_flag=True, help="Quantise the trunk only; keep the MTP head in full precision.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-              help="Cast unquantised weights (default: the checkpoint's torch_dtype, as mlx-lm does).")
+@click.option(
+    "--keep-head-precision", is_flag=True, help="Quantise the trunk only; keep the MTP head in full precision."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default=None,
+    help="Cast unquantised weights (default: the checkpoint's torch_dtype, as mlx-lm does).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty DST.")
 def convert_cmd(src, dst, q_bits, q_group_size, keep_head_precision, dtype, overwrite):
     """Convert a Hugging Face checkpoint SRC to MLX in DST, keeping its MTP head.
@@ -37,8 +43,15 @@ def convert_cmd(src, dst, q_bits, q_group_size, keep_head_precision, dtype, over
     from mtplx.models.convert import convert, format_convert_report
 
     try:
-        report = convert(src, dst, q_bits=int(q_bits) if q_bits else None, q_group_size=q_group_size,
-                         quantize_head=not keep_head_precision, dtype=dtype, overwrite=overwrite)
+        report = convert(
+            src,
+            dst,
+            q_bits=int(q_bits) if q_bits else None,
+            q_group_size=q_group_size,
+            quantize_head=not keep_head_precision,
+            dtype=dtype,
+            overwrite=overwrite,
+        )
     except (CheckpointError, FileExistsError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
     click.echo(format_convert_report(report))
@@ -86,7 +99,8 @@ def _csv(kind):
         try:
             return tuple(kind(v) for v in value.split(",") if v.strip())
         except ValueError:
-            raise click.BadParameter(f"expected a comma-separated list, got {value!r}")
+            raise click.BadParameter(f"expected a comma-separated list, got {value!r}") from None
+
     return parse
 
 
@@ -100,32 +114,86 @@ def _listed(values) -> str:
 
 @click.command("bench")
 @click.option("--model", type=click.Path(), default=None, help="Checkpoint (default: the built-in model).")
-@click.option("--batch-sizes", callback=_csv(int), default=_listed(QUICK["batch_sizes"]), show_default=True,
-              help="Comma-separated decode batch sizes to measure, each a separate series.")
-@click.option("--depths", callback=_csv(_depth), default=_listed(QUICK["depths"]), show_default=True,
-              help="Comma-separated MTP depths to compare with the baseline: 0 decodes plainly, 'auto' "
-                   "picks from the cost model. Depth 0 always runs: speed-ups are measured over it.")
-@click.option("--temperatures", callback=_csv(float), default=_listed(QUICK["temperatures"]), show_default=True,
-              help="Comma-separated sampling temperatures to measure at (0 = greedy).")
-@click.option("--max-tokens", type=int, default=QUICK["max_tokens"], show_default=True,
-              help="New tokens per prompt at most, for both engines.")
-@click.option("--prompts", "num_prompts", callback=_csv(int), default=None,
-              help="Prompts per run: one count for every batch size, or one per batch size, e.g. 1,16,16. "
-                   "Prompts beyond the batch size stream through its slots, refilled as rows finish. "
-                   "Default: 32 at batch size 4 (8 per slot, as a job refills them), else one full batch.")
-@click.option("--max-prompt-tokens", type=int, default=QUICK["max_prompt_tokens"], show_default=True,
-              help="Keep each prompt's last N tokens.")
-@click.option("--repeats", type=int, default=QUICK["repeats"], show_default=True,
-              help="Rounds per setting; each runs mlx-lm once, then every depth, in an order that changes "
-                   "from round to round so that each depth runs as often in each place and after each other. "
-                   "Runs of fewer than 8 prompts get 8 // prompts times as many.")
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True,
-              help="Sampling seed for both engines, so that reruns draw the same tokens.")
+@click.option(
+    "--batch-sizes",
+    callback=_csv(int),
+    default=_listed(QUICK["batch_sizes"]),
+    show_default=True,
+    help="Comma-separated decode batch sizes to measure, each a separate series.",
+)
+@click.option(
+    "--depths",
+    callback=_csv(_depth),
+    default=_listed(QUICK["depths"]),
+    show_default=True,
+    help="Comma-separated MTP depths to compare with the baseline: 0 decodes plainly, 'auto' "
+    "picks from the cost model. Depth 0 always runs: speed-ups are measured over it.",
+)
+@click.option(
+    "--temperatures",
+    callback=_csv(float),
+    default=_listed(QUICK["temperatures"]),
+    show_default=True,
+    help="Comma-separated sampling temperatures to measure at (0 = greedy).",
+)
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=QUICK["max_tokens"],
+    show_default=True,
+    help="New tokens per prompt at most, for both engines.",
+)
+@click.option(
+    "--prompts",
+    "num_prompts",
+    callback=_csv(int),
+    default=None,
+    help="Prompts per run: one count for every batch size, or one per batch size, e.g. 1,16,16. "
+    "Prompts beyond the batch size stream through its slots, refilled as rows finish. "
+    "Default: 32 at batch size 4 (8 per slot, as a job refills them), else one full batch.",
+)
+@click.option(
+    "--max-prompt-tokens",
+    type=int,
+    default=QUICK["max_prompt_tokens"],
+    show_default=True,
+    help="Keep each prompt's last N tokens.",
+)
+@click.option(
+    "--repeats",
+    type=int,
+    default=QUICK["repeats"],
+    show_default=True,
+    help="Rounds per setting; each runs mlx-lm once, then every depth, in an order that changes "
+    "from round to round so that each depth runs as often in each place and after each other. "
+    "Runs of fewer than 8 prompts get 8 // prompts times as many.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**64 - 1),
+    default=0,
+    show_default=True,
+    help="Sampling seed for both engines, so that reruns draw the same tokens.",
+)
 @click.option("--output", type=click.Path(), default="bench.json", show_default=True, help="Where the JSON records go.")
-@click.option("--plot", type=click.Path(), default=None, help="Also draw tokens/s against batch size (needs matplotlib).")
+@click.option(
+    "--plot", type=click.Path(), default=None, help="Also draw tokens/s against batch size (needs matplotlib)."
+)
 @click.option("--quiet", is_flag=True, help="No progress lines; only the final table and file names.")
-def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts, max_prompt_tokens, repeats, seed, output,
-              plot, quiet):
+def bench_cmd(
+    model,
+    batch_sizes,
+    depths,
+    temperatures,
+    max_tokens,
+    num_prompts,
+    max_prompt_tokens,
+    repeats,
+    seed,
+    output,
+    plot,
+    quiet,
+):
     """Benchmark MTPLX against mlx_lm.batch_generate, side by side in one run.
 
     For each batch size and temperature, on the same prompts and trunk, it
@@ -142,9 +210,18 @@ def bench_cmd(model, batch_sizes, depths, temperatures, max_tokens, num_prompts,
         _fail(str(e))
     try:
         num_prompts = QUICK["num_prompts"] if num_prompts is None else prompts_by_batch_size(num_prompts, batch_sizes)
-        records = run_bench(model, batch_sizes=batch_sizes, depths=depths, temperatures=temperatures,
-                            max_tokens=max_tokens, num_prompts=num_prompts, repeats=repeats, seed=seed,
-                            progress=not quiet, max_prompt_tokens=max_prompt_tokens)
+        records = run_bench(
+            model,
+            batch_sizes=batch_sizes,
+            depths=depths,
+            temperatures=temperatures,
+            max_tokens=max_tokens,
+            num_prompts=num_prompts,
+            repeats=repeats,
+            seed=seed,
+            progress=not quiet,
+            max_prompt_tokens=max_prompt_tokens,
+        )
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
     Path(output).write_text(json.dumps(records, indent=2))

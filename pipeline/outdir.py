@@ -209,7 +209,9 @@ def open_output(out: Path, plan: Plan, manifest: dict, *, overwrite: bool, retry
     if existed:
         recorded = _check_manifest(out, manifest)
     elif part_files(out):
-        raise JobError(f"{out} holds part files but no {MANIFEST}; pass --overwrite to start over, or pick another directory")
+        raise JobError(
+            f"{out} holds part files but no {MANIFEST}; pass --overwrite to start over, or pick another directory"
+        )
     return replace(_scan_parts(out, plan, existed, retry_errors), recorded=recorded)
 
 
@@ -341,7 +343,9 @@ def _read_columns(p: Path, columns: List[str]) -> pa.Table:
     try:
         return pq.read_table(p, columns=columns)
     except (OSError, pa.ArrowException, ValueError, KeyError) as e:
-        raise JobError(f"cannot read output part {p}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise JobError(
+            f"cannot read output part {p}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
 
 
 def _column_or_zero(table: pa.Table, name: str) -> np.ndarray:

@@ -14,7 +14,9 @@ from .plan import Plan
 from .reader import PromptRow
 
 
-def length_ordered(rows: Iterable[PromptRow], window: int, on_error: Callable[[PromptRow], None]) -> Iterator[PromptRow]:
+def length_ordered(
+    rows: Iterable[PromptRow], window: int, on_error: Callable[[PromptRow], None]
+) -> Iterator[PromptRow]:
     """Rows sorted by (prompt length, input order) within consecutive windows
     of `window` good rows: deterministic, and memory bounded by the window."""
     buf: List[PromptRow] = []

@@ -59,8 +59,10 @@ class Plan:
     @property
     def key_columns(self) -> Tuple[str, ...]:
         """The output columns that key a row."""
-        return (self.key_column,) + (("template_index",) if self.multi_template else ()) + (
-            ("sample_index",) if self.n > 1 else ()
+        return (
+            (self.key_column,)
+            + (("template_index",) if self.multi_template else ())
+            + (("sample_index",) if self.n > 1 else ())
         )
 
 
@@ -93,8 +95,9 @@ def make_plan(spec: JobSpec, source: InputSource, logprobs: bool) -> Plan:
         if not (is_id_type(t) or pa.types.is_null(t)):  # bytes or floats would be compared as their repr
             raise JobError(f"reference column {reference!r} must hold strings or integers, not {t}")
     keep = tuple(need(c, "[input] keep_columns") for c in spec.input.keep_columns)
-    passthrough = tuple(c for c in dict.fromkeys(prompt_columns + ((reference,) if reference else ()) + keep)
-                        if c != id_column)
+    passthrough = tuple(
+        c for c in dict.fromkeys(prompt_columns + ((reference,) if reference else ()) + keep) if c != id_column
+    )
     source.check_columns(((id_column,) if id_column else ()) + prompt_columns + passthrough)
     plan = Plan(
         spec=spec,

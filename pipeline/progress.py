@@ -18,8 +18,16 @@ class Progress:
         self.drafted = 0
         self.accepted = 0
         self._last_postfix = 0.0
-        self.bar = tqdm(total=total, unit="row", disable=quiet, file=sys.stderr, dynamic_ncols=True,
-                        mininterval=0.5, smoothing=0.05, desc=initial_note or None)
+        self.bar = tqdm(
+            total=total,
+            unit="row",
+            disable=quiet,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.5,
+            smoothing=0.05,
+            desc=initial_note or None,
+        )
 
     def row(self, tokens: int, drafted: int, accepted: int, error: bool) -> None:
         self.rows += 1

@@ -54,7 +54,13 @@ class PromptEncoder:
             values[name] = row[name]
         try:
             text = s.templates[template_index].format_map(values)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:  # a format spec this row's values do not take
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            IndexError,
+            AttributeError,
+        ) as e:  # a format spec this row's values do not take
             return None, f"cannot render the template: {type(e).__name__}: {e}"
         return _check_text(text, "rendered template")
 

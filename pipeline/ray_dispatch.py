@@ -36,8 +36,14 @@ class DispatchStats:
     actors_lost: int = 0
 
 
-def dispatch(ray, workers: List, shards: Iterator[Tuple[int, list]], on_report: Callable,
-             log: Callable[[str], None], shield: Callable = nullcontext) -> DispatchStats:
+def dispatch(
+    ray,
+    workers: List,
+    shards: Iterator[Tuple[int, list]],
+    on_report: Callable,
+    log: Callable[[str], None],
+    shield: Callable = nullcontext,
+) -> DispatchStats:
     """Run every shard to completion on `workers` (actor handles); each
     ShardReport goes to `on_report` as it arrives.
 
@@ -104,11 +110,15 @@ def _lost(i: int, shard: Shard, error, load: dict, retry: deque, stats: Dispatch
         stats.actors_lost += 1
         log(f"actor {i} died ({_first_line(error)}); {len(load)} left")
     if shard.attempts >= MAX_ATTEMPTS:
-        raise JobError(f"shard {shard.number} failed on {shard.attempts} actors (last: {_first_line(error)}); "
-                       "the rows written so far are kept: rerun the same command to resume")
+        raise JobError(
+            f"shard {shard.number} failed on {shard.attempts} actors (last: {_first_line(error)}); "
+            "the rows written so far are kept: rerun the same command to resume"
+        )
     if not load:
-        raise JobError(f"every Ray actor died (last: {_first_line(error)}); the rows written so far are kept: "
-                       "rerun the same command to resume")
+        raise JobError(
+            f"every Ray actor died (last: {_first_line(error)}); the rows written so far are kept: "
+            "rerun the same command to resume"
+        )
     stats.retried += 1
     retry.append(shard)
 

@@ -59,14 +59,18 @@ def place_actors(resources: dict, nodes: int, wanted: Optional[int]) -> Placemen
     if mlx:
         n = wanted or mlx
         if n > mlx:
-            raise JobError(f"{n} actors asked for, but the cluster advertises {mlx} {MLX_RESOURCE!r} resource(s) "
-                           "(one per machine: ray start ... --resources '{\"mlx\": 1}')")
+            raise JobError(
+                f"{n} actors asked for, but the cluster advertises {mlx} {MLX_RESOURCE!r} resource(s) "
+                "(one per machine: ray start ... --resources '{\"mlx\": 1}')"
+            )
         return Placement(n, {"num_cpus": 1, "resources": {MLX_RESOURCE: 1}}, f"resource {MLX_RESOURCE}")
     cpus = int(resources.get("CPU", 0))
     n = wanted or max(nodes, 1)
     if n > cpus:
-        raise JobError(f"{n} actors asked for, but the cluster has {cpus} CPUs and no {MLX_RESOURCE!r} resource "
-                       "(each actor takes one CPU)")
+        raise JobError(
+            f"{n} actors asked for, but the cluster has {cpus} CPUs and no {MLX_RESOURCE!r} resource "
+            "(each actor takes one CPU)"
+        )
     return Placement(n, {"num_cpus": 1, "scheduling_strategy": "SPREAD"}, "CPU, spread over nodes")
 
 
@@ -117,8 +121,9 @@ def run_on_ray(job, opts, state: OutputState, started: float, log):
             workers, ready = _start_workers(ray, replace(job, spec=slots_for(spec, todo)), out, placement, recorded)
             settings = _settings(ready, placement, spec)
             prompts = -(-todo // job.plan.n)  # the shards count prompt rows; each has n samples
-            settings["shard_rows"] = shard_size(spec.ray.shard_rows, prompts, placement.actors,
-                                                settings.get("max_batch", spec.batch.max_batch))
+            settings["shard_rows"] = shard_size(
+                spec.ray.shard_rows, prompts, placement.actors, settings.get("max_batch", spec.batch.max_batch)
+            )
         manifest = job.manifest
         if workers and ready[0]["sampled_depth"] is not None:  # depth auto: what a resume reuses
             manifest = {**manifest, AUTO_SAMPLED_DEPTH: ready[0]["sampled_depth"]}
@@ -222,8 +227,9 @@ def _start_workers(ray, job, out: Path, placement: Placement, sampled_depth=None
     token = secrets.token_hex(3)  # names stay unique when jobs share a cluster
 
     def start(i: int, depth):
-        return (remote.options(name=f"mtplx-{job.spec.name}-{token}-{i}", max_restarts=0, **placement.options)
-                .remote(job.ref, job.spec, job.plan, str(out), depth))
+        return remote.options(name=f"mtplx-{job.spec.name}-{token}-{i}", max_restarts=0, **placement.options).remote(
+            job.ref, job.spec, job.plan, str(out), depth
+        )
 
     workers, ready = [], []
     try:

@@ -86,13 +86,18 @@ class ShardWorker:
         if model_fingerprint(ref.path) != ref.fingerprint:
             raise JobError(f"model {ref.path} differs from the driver's (its fingerprint does not match)")
         if not (self.out / LOCK).is_file():  # the driver holds it from before any actor starts
-            raise JobError(f"output directory {self.out} has no {LOCK} here: it must be a path every node "
-                           "shares (see docs/ray.md)")
+            raise JobError(
+                f"output directory {self.out} has no {LOCK} here: it must be a path every node shares (see docs/ray.md)"
+            )
 
     def ready(self) -> dict:
         plan = self.engine.stats.get("auto_depth", {}) if self.engine else {}
-        return {"node": self.node, "error": self.error, "settings": self.engine.settings if self.engine else {},
-                "sampled_depth": plan.get("depth")}
+        return {
+            "node": self.node,
+            "error": self.error,
+            "settings": self.engine.settings if self.engine else {},
+            "sampled_depth": plan.get("depth"),
+        }
 
     def run_shard(self, shard: int, rows: List[PromptRow]) -> ShardReport:
         if self.error:
@@ -100,9 +105,14 @@ class ShardWorker:
         remove_shard_temp_files(self.out, shard)
         earlier = shard_part_files(self.out, shard)
         done, skipped = scan_keys(earlier, self.plan)
-        writer = PartWriter(self.out, self.plan.schema, next_shard_part(earlier),
-                            flush_rows=self.spec.output.flush_rows, flush_seconds=self.spec.output.flush_seconds,
-                            naming=partial(shard_part_name, shard))
+        writer = PartWriter(
+            self.out,
+            self.plan.schema,
+            next_shard_part(earlier),
+            flush_rows=self.spec.output.flush_rows,
+            flush_seconds=self.spec.output.flush_seconds,
+            naming=partial(shard_part_name, shard),
+        )
         tally = ShardTally()
         before = dict(self.engine.stats)
         try:

@@ -64,4 +64,3 @@ def error_row(plan: Plan, row: PromptRow, sample_index: int) -> dict:
     if plan.reference_column:
         out["score"] = None
     return out
-

@@ -75,7 +75,9 @@ def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
     return Prepared(spec, ref, source, plan, manifest)
 
 
-def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = open_engine, log: Log = print) -> RunResult:
+def run_job(
+    spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = open_engine, log: Log = print
+) -> RunResult:
     started = time.monotonic()
     if spec.engine == "ray":
         from .ray_engine import import_ray
@@ -94,8 +96,9 @@ def run_job(spec: JobSpec, opts: RunOptions, *, engine_factory: OpenEngine = ope
         return run_locally(job, opts, state, engine_factory, started, log)
 
 
-def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_factory: OpenEngine, started: float,
-                log: Log) -> RunResult:
+def run_locally(
+    job: Prepared, opts: RunOptions, state: OutputState, engine_factory: OpenEngine, started: float, log: Log
+) -> RunResult:
     """The job in this process, on an output directory this run holds."""
     out = state.path
     auto = job.spec.model.depth == "auto"
@@ -117,8 +120,14 @@ def run_locally(job: Prepared, opts: RunOptions, state: OutputState, engine_fact
     t0 = time.monotonic()
     progress = Progress(max(todo, 0), opts.quiet or todo <= 0)  # no bar over nothing to do (a finished job resumed)
     stopper = Stopper()
-    writer = PartWriter(out, job.plan.schema, state.next_part, flush_rows=job.spec.output.flush_rows,
-                        flush_seconds=job.spec.output.flush_seconds, stopper=stopper)
+    writer = PartWriter(
+        out,
+        job.plan.schema,
+        state.next_part,
+        flush_rows=job.spec.output.flush_rows,
+        flush_seconds=job.spec.output.flush_seconds,
+        stopper=stopper,
+    )
     stopper.install()
     try:
         _stream(job, engine, state, writer, progress)
@@ -196,9 +205,12 @@ def dry_run(job: Prepared, opts: RunOptions) -> RunResult:
     ]
     if spec.engine == "ray":
         r = spec.ray
-        report.insert(2, f"engine: ray (address {r.address or 'auto-detected, else a new local instance'}, "
-                         f"actors {r.actors or 'one per node'}, "
-                         + (f"shards of {r.shard_rows} prompt rows)" if r.shard_rows else "shards sized to the job)"))
+        report.insert(
+            2,
+            f"engine: ray (address {r.address or 'auto-detected, else a new local instance'}, "
+            f"actors {r.actors or 'one per node'}, "
+            + (f"shards of {r.shard_rows} prompt rows)" if r.shard_rows else "shards sized to the job)"),
+        )
     return RunResult(EXIT_OK, None, report)
 
 

@@ -227,8 +227,18 @@ def _stop(where, v):
     return tuple(items)
 
 
-_MEM_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MEM_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_memory(where: str, v) -> int:
@@ -267,62 +277,89 @@ def template_fields(where: str, template: str) -> Tuple[str, ...]:
 
 SECTIONS: Dict[str, Tuple[type, Dict[str, Tuple[str, Checker]]]] = {
     # section: (dataclass, {toml key: (field, checker)})
-    "model": (ModelSpec, {
-        "path": ("path", _model_path),
-        "depth": ("depth", _depth),
-        "acceptance": ("acceptance", _choice(*ACCEPTANCE_RULES)),
-    }),
-    "input": (InputSpec, {
-        "path": ("path", _str),
-        "dataset": ("dataset", _str),
-        "split": ("split", _str),
-        "dataset_config": ("dataset_config", _str),
-        "id_column": ("id_column", _str),
-        "keep_columns": ("keep_columns", _list_of(_str)),
-    }),
-    "prompt": (PromptSpec, {
-        "column": ("column", _str),
-        "messages": ("messages", _str),
-        "template": ("templates", _templates),
-        "chat_template": ("chat_template", _bool),
-    }),
-    "sampling": (SamplingSpec, {
-        "temperature": ("temperature", _float(0.0, 100.0)),
-        "top_p": ("top_p", _float(0.0, 1.0, lo_open=True)),
-        "top_k": ("top_k", _int(0)),
-        "min_p": ("min_p", _float(0.0, 1.0, hi_open=True)),
-        "seed": ("seed", _int(0, 2**63 - 1)),
-    }),
-    "generation": (GenerationSpec, {
-        "max_tokens": ("max_tokens", _int(1)),
-        "n": ("n", _int(1, 10_000)),
-        "stop": ("stop", _stop),
-        "stop_token_ids": ("stop_token_ids", _list_of(_int(0))),
-        "logprobs": ("logprobs", _bool),
-    }),
-    "batch": (BatchSpec, {
-        "max_batch": ("max_batch", _int(1, 4096)),
-        "token_budget": ("token_budget", _int(1)),
-        "max_memory": ("max_memory", parse_memory),
-        "window": ("window", _int(1)),
-        "read_rows": ("read_rows", _int(1)),
-    }),
-    "output": (OutputSpec, {
-        "path": ("path", _str),
-        "flush_rows": ("flush_rows", _int(1)),
-        "flush_seconds": ("flush_seconds", _float(0.0, 1e9, lo_open=True)),
-    }),
-    "ray": (RaySpec, {
-        "address": ("address", _str),
-        "actors": ("actors", _int(1, 100_000)),
-        "shard_rows": ("shard_rows", _int(1)),
-    }),
-    "evaluation": (EvaluationSpec, {
-        "reference_column": ("reference_column", _str),
-        "scorer": ("scorer", _choice(*SCORERS)),
-        "ignore_case": ("ignore_case", _bool),
-        "strip": ("strip", _bool),
-    }),
+    "model": (
+        ModelSpec,
+        {
+            "path": ("path", _model_path),
+            "depth": ("depth", _depth),
+            "acceptance": ("acceptance", _choice(*ACCEPTANCE_RULES)),
+        },
+    ),
+    "input": (
+        InputSpec,
+        {
+            "path": ("path", _str),
+            "dataset": ("dataset", _str),
+            "split": ("split", _str),
+            "dataset_config": ("dataset_config", _str),
+            "id_column": ("id_column", _str),
+            "keep_columns": ("keep_columns", _list_of(_str)),
+        },
+    ),
+    "prompt": (
+        PromptSpec,
+        {
+            "column": ("column", _str),
+            "messages": ("messages", _str),
+            "template": ("templates", _templates),
+            "chat_template": ("chat_template", _bool),
+        },
+    ),
+    "sampling": (
+        SamplingSpec,
+        {
+            "temperature": ("temperature", _float(0.0, 100.0)),
+            "top_p": ("top_p", _float(0.0, 1.0, lo_open=True)),
+            "top_k": ("top_k", _int(0)),
+            "min_p": ("min_p", _float(0.0, 1.0, hi_open=True)),
+            "seed": ("seed", _int(0, 2**63 - 1)),
+        },
+    ),
+    "generation": (
+        GenerationSpec,
+        {
+            "max_tokens": ("max_tokens", _int(1)),
+            "n": ("n", _int(1, 10_000)),
+            "stop": ("stop", _stop),
+            "stop_token_ids": ("stop_token_ids", _list_of(_int(0))),
+            "logprobs": ("logprobs", _bool),
+        },
+    ),
+    "batch": (
+        BatchSpec,
+        {
+            "max_batch": ("max_batch", _int(1, 4096)),
+            "token_budget": ("token_budget", _int(1)),
+            "max_memory": ("max_memory", parse_memory),
+            "window": ("window", _int(1)),
+            "read_rows": ("read_rows", _int(1)),
+        },
+    ),
+    "output": (
+        OutputSpec,
+        {
+            "path": ("path", _str),
+            "flush_rows": ("flush_rows", _int(1)),
+            "flush_seconds": ("flush_seconds", _float(0.0, 1e9, lo_open=True)),
+        },
+    ),
+    "ray": (
+        RaySpec,
+        {
+            "address": ("address", _str),
+            "actors": ("actors", _int(1, 100_000)),
+            "shard_rows": ("shard_rows", _int(1)),
+        },
+    ),
+    "evaluation": (
+        EvaluationSpec,
+        {
+            "reference_column": ("reference_column", _str),
+            "scorer": ("scorer", _choice(*SCORERS)),
+            "ignore_case": ("ignore_case", _bool),
+            "strip": ("strip", _bool),
+        },
+    ),
 }
 TOP_LEVEL_KEYS = ("name", "engine")
 

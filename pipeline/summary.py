@@ -20,8 +20,16 @@ import pyarrow.parquet as pq
 from .errors import JobError
 from .outdir import MANIFEST, SUMMARY, part_files
 
-METRIC_COLUMNS = ("error", "finish_reason", "prompt_tokens", "completion_tokens", "drafted_by_depth",
-                  "accepted_by_depth", "mean_accepted_length", "decode_steps")
+METRIC_COLUMNS = (
+    "error",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "drafted_by_depth",
+    "accepted_by_depth",
+    "mean_accepted_length",
+    "decode_steps",
+)
 
 
 @dataclass
@@ -169,8 +177,9 @@ def throughput(stats: dict, wall: float, rows_this_run: int, completion_tokens_t
     }
 
 
-def build_summary(out: Path, *, name: str, spec: dict, manifest: dict, model: dict, input_rows: int,
-                  run: dict, runtime: dict) -> dict:
+def build_summary(
+    out: Path, *, name: str, spec: dict, manifest: dict, model: dict, input_rows: int, run: dict, runtime: dict
+) -> dict:
     summary = {"job": name, "complete": True, "output_dir": str(out), "input_rows": input_rows}
     summary.update(totals_of(out).metrics())
     summary.update(run)
@@ -217,9 +226,11 @@ def format_summary(s: dict) -> str:
     reasons = ", ".join(f"{k} {v}" for k, v in (s.get("finish_reasons") or {}).items())
     lines.append(f"errors: {s.get('errors', 0)}" + (f"   finish reasons: {reasons}" if reasons else ""))
     undecoded = s.get("undecoded_prompt_tokens") or 0
-    lines.append(f"tokens: prompt {s.get('prompt_tokens', 0)}"
-                 + (f" ({undecoded} of them in rows that failed before decoding)" if undecoded else "")
-                 + f", completion {s.get('completion_tokens', 0)}, decode steps {s.get('decode_steps', 0)}")
+    lines.append(
+        f"tokens: prompt {s.get('prompt_tokens', 0)}"
+        + (f" ({undecoded} of them in rows that failed before decoding)" if undecoded else "")
+        + f", completion {s.get('completion_tokens', 0)}, decode steps {s.get('decode_steps', 0)}"
+    )
     if "wall_seconds" in s:
         lines.append(
             f"last run: {_num(s.get('wall_seconds'), '.1f')} s wall, {s.get('rows_this_run')} rows, "

@@ -16,9 +16,18 @@ from .signals import Stopper
 
 
 class PartWriter:
-    def __init__(self, out: Path, schema: pa.Schema, first_part: int, *, flush_rows: int, flush_seconds: float,
-                 stopper: Optional[Stopper] = None, clock: Callable[[], float] = time.monotonic,
-                 naming: Callable[[int], str] = part_name):
+    def __init__(
+        self,
+        out: Path,
+        schema: pa.Schema,
+        first_part: int,
+        *,
+        flush_rows: int,
+        flush_seconds: float,
+        stopper: Optional[Stopper] = None,
+        clock: Callable[[], float] = time.monotonic,
+        naming: Callable[[int], str] = part_name,
+    ):
         self.out = out
         self.naming = naming  # part number -> file name
         self.schema = schema

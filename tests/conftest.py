@@ -43,7 +43,11 @@ def run_cli(*args, timeout: float = 300, cwd=None) -> subprocess.CompletedProces
     """`mtplx ARGS` in a fresh process (`python -m pipeline.cli`)."""
     return subprocess.run(
         [sys.executable, "-m", "pipeline.cli", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=cwd or REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(),
+        cwd=cwd or REPO,
     )
 
 
@@ -91,8 +95,13 @@ class FakeRuntime:
         self.max_batch = max_batch
         self.max_context = max_context
         self.depth = depth
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0,
-                      "depth_used": depth}
+        self.stats = {
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "prefill_seconds": 0.0,
+            "decode_seconds": 0.0,
+            "depth_used": depth,
+        }
 
     def stream(self, requests, seed=0):
         import heapq
@@ -130,10 +139,16 @@ class FakeRuntime:
         self.stats["prefill_tokens"] += len(req.prompt)
         self.stats["decode_tokens"] += n
         return Completion(
-            index=req.index, sample_index=s, row_id=req.row_id, tokens=tokens,
-            text=FakeTokenizer().decode(tokens), finish_reason="length" if n == req.max_tokens else "stop",
-            drafted_by_depth=[steps] * self.depth, accepted_by_depth=[steps // 2, steps // 4][: self.depth],
-            steps=steps, prompt_tokens=len(req.prompt),
+            index=req.index,
+            sample_index=s,
+            row_id=req.row_id,
+            tokens=tokens,
+            text=FakeTokenizer().decode(tokens),
+            finish_reason="length" if n == req.max_tokens else "stop",
+            drafted_by_depth=[steps] * self.depth,
+            accepted_by_depth=[steps // 2, steps // 4][: self.depth],
+            steps=steps,
+            prompt_tokens=len(req.prompt),
             logprobs=[-0.5] * n if req.logprobs else None,
         )
 
@@ -148,8 +163,11 @@ def fake_engine_factory(max_context=None):
     from pipeline.engine import Engine
 
     def open_fake(ref, spec, max_memory, sampled_depth=None):
-        rt = FakeRuntime(max_batch=spec.batch.max_batch, max_context=max_context,
-                         depth=spec.model.depth if isinstance(spec.model.depth, int) else 2)
+        rt = FakeRuntime(
+            max_batch=spec.batch.max_batch,
+            max_context=max_context,
+            depth=spec.model.depth if isinstance(spec.model.depth, int) else 2,
+        )
         return Engine(FakeTokenizer(), max_context, Request, rt, {"depth": rt.depth, "max_batch": rt.max_batch})
 
     return open_fake

@@ -67,7 +67,9 @@ def mlx_lm_greedy(model, prompt, max_tokens):
     from mlx_lm.generate import generate_step
 
     out = []
-    for tok, _ in generate_step(mx.array(prompt), model.trunk, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1)):
+    for tok, _ in generate_step(
+        mx.array(prompt), model.trunk, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1)
+    ):
         if int(tok) in model.eos_token_ids:
             break
         out.append(int(tok))
@@ -80,8 +82,11 @@ def bf16_checkpoint(family, path):
     path = tiny_checkpoint(family, path, vocab_size=48, max_position_embeddings=300)
     for f in glob.glob(str(path / "*.safetensors")):
         tensors = mx.load(f)
-        mx.save_safetensors(f, {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in tensors.items()},
-                            metadata={"format": "pt"})
+        mx.save_safetensors(
+            f,
+            {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in tensors.items()},
+            metadata={"format": "pt"},
+        )
     return path
 
 

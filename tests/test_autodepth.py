@@ -4,11 +4,23 @@ import json
 
 import numpy as np
 import pytest
+from model_helpers import make_predictable
 
 import mtplx
 from mtplx import MTPContract, MTPLXRuntime
 from mtplx.autodepth.costs import BareCosts, CycleCosts, ideal_tokens_per_cycle, predicted_speedup
-from mtplx.autodepth.policy import DEPTH_TOLERANCE, HOLD_DEEPER, SINGLE_ROW_JOB_TIE, best_depth
+from mtplx.autodepth.policy import (
+    DEPTH_TOLERANCE,
+    EXPLORE_CYCLES,
+    HOLD_DEEPER,
+    MEASURE_PLAIN_BURSTS,
+    SINGLE_ROW_JOB_TIE,
+    AutoDepth,
+    DepthController,
+    best_depth,
+    conditional_rates,
+)
+from mtplx.decode.sampling import SamplingParams
 from mtplx.testing import tiny_checkpoint
 
 
@@ -71,7 +83,9 @@ def test_auto_depth_runtime_records_its_choice_and_decodes_like_plain_greedy(tmp
     assert record["depth"] == auto.policy.job_depth and 0 <= auto.policy.job_depth <= auto.depth <= 3
     assert set(record["predicted_speedup"]) == {"0", "1", "2", "3"}
     plain = MTPLXRuntime(model, MTPContract(depth=0), max_batch=2)
-    assert [o.tokens for o in auto.generate(prompts, max_tokens=6)] == [o.tokens for o in plain.generate(prompts, max_tokens=6)]
+    assert [o.tokens for o in auto.generate(prompts, max_tokens=6)] == [
+        o.tokens for o in plain.generate(prompts, max_tokens=6)
+    ]
     assert sum(record["cycles_by_depth"].values()) == auto.stats["cycles"] > 0
 
 
@@ -105,8 +119,11 @@ def test_the_job_depth_of_sampled_rows_is_priced_on_sampled_cycles(tmp_path, mon
     # these greedy cycles; cycles that also draw their drafts cost enough
     # more that no depth beats plain decoding.
     calls = []
-    monkeypatch.setattr(autodepth, "measure_cycle_costs", _fake_cycle_costs(
-        calls, greedy={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, sampled={0: 1.0, 1: 1.6, 2: 2.0, 3: 2.4}))
+    monkeypatch.setattr(
+        autodepth,
+        "measure_cycle_costs",
+        _fake_cycle_costs(calls, greedy={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, sampled={0: 1.0, 1: 1.6, 2: 2.0, 3: 2.4}),
+    )
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
     auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
     record = auto.stats["auto_depth"]
@@ -117,8 +134,11 @@ def test_the_job_depth_of_sampled_rows_is_priced_on_sampled_cycles(tmp_path, mon
     assert auto.policy.controller is not None  # greedy rows still speculate, on greedy cycles' prices
     # Where sampled cycles cost what greedy ones do, the same prices keep depth 2.
     calls.clear()
-    monkeypatch.setattr(autodepth, "measure_cycle_costs", _fake_cycle_costs(
-        calls, greedy={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, sampled={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}))
+    monkeypatch.setattr(
+        autodepth,
+        "measure_cycle_costs",
+        _fake_cycle_costs(calls, greedy={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, sampled={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}),
+    )
     assert MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2).policy.job_depth == 2
 
 
@@ -138,23 +158,20 @@ def test_auto_falls_back_to_plain_decoding_when_calibration_times_no_cycle(tmp_p
     import mtplx.autodepth.calibration as autodepth
 
     nan = float("nan")
-    monkeypatch.setattr(autodepth, "measure_cycle_costs",
-                        lambda model, B, depths, **kw: CycleCosts(B, {k: nan for k in depths}))
+    monkeypatch.setattr(
+        autodepth, "measure_cycle_costs", lambda model, B, depths, **kw: CycleCosts(B, {k: nan for k in depths})
+    )
     model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
     auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
     assert auto.depth == 0 and auto.stats["auto_depth"]["reason"] == "calibration timed no decode cycle"
     plain = MTPLXRuntime(model, MTPContract(depth=0), max_batch=2)
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11]]
-    assert [o.tokens for o in auto.generate(prompts, max_tokens=5)] == [o.tokens for o in plain.generate(prompts, max_tokens=5)]
+    assert [o.tokens for o in auto.generate(prompts, max_tokens=5)] == [
+        o.tokens for o in plain.generate(prompts, max_tokens=5)
+    ]
 
 
 # -- the running controller ------------------------------------------------------
-
-
-from model_helpers import make_predictable
-
-from mtplx.autodepth.policy import EXPLORE_CYCLES, MEASURE_PLAIN_BURSTS, AutoDepth, DepthController, conditional_rates
-from mtplx.decode.sampling import SamplingParams
 
 
 def test_conditional_rates_divide_each_cumulative_rate_by_the_one_before():
@@ -355,6 +372,7 @@ def test_a_speculating_controller_keeps_on_while_a_depth_still_beats_plain_and_n
         k = c.choose()
     assert k == 0
 
+
 class _Scripted:
     """A controller that plays a fixed sequence of depths (0 included)."""
 
@@ -411,14 +429,20 @@ def test_switching_speculation_off_mid_job_keeps_greedy_output_exact(predictable
     assert rt.policy.record["cycles_by_depth"]["0"] > 0
 
 
-def test_prompts_prefilled_while_speculation_is_off_skip_the_head_and_still_decode_exactly(predictable_qwen, monkeypatch):
+def test_prompts_prefilled_while_speculation_is_off_skip_the_head_and_still_decode_exactly(
+    predictable_qwen, monkeypatch
+):
     import mtplx.decode.runtime as runtime
 
     heads = []
     prefill = runtime.prefill_by_length
-    monkeypatch.setattr(runtime, "prefill_by_length",
-                        lambda model, prompts, chunk, with_head, **kw: heads.append(with_head) or
-                        prefill(model, prompts, chunk, with_head, **kw))
+    monkeypatch.setattr(
+        runtime,
+        "prefill_by_length",
+        lambda model, prompts, chunk, with_head, **kw: (
+            heads.append(with_head) or prefill(model, prompts, chunk, with_head, **kw)
+        ),
+    )
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12], [20], [5, 6, 7, 8], [30, 31]]
     plain = MTPLXRuntime(predictable_qwen, MTPContract(depth=0), max_batch=2).generate(prompts, max_tokens=12)
     # Sampled rows kept plain (job depth 0) and the greedy controller off
@@ -523,6 +547,7 @@ def test_cycle_costs_are_the_runtimes_own_cycles_at_every_depth(tmp_path):
     # The predicted speed-up divides cycle times directly.
     assert predicted_speedup(costs, [0.5, 0.25], 2) == pytest.approx(1.75 * costs.seconds[0] / costs.seconds[2])
 
+
 def test_cycle_costs_play_every_depth_between_plain_bursts_deepest_first_every_other_round(tmp_path, monkeypatch):
     # A slow spell then hits a depth and the plain cycles it is compared with
     # alike, and a machine slowing over a round prices no depth up.
@@ -576,8 +601,9 @@ def test_cycle_costs_sample_a_bare_cost_sampler_between_their_rounds_and_take_it
             return BareCosts(batch_size=2, context=8, step_s=1.0, verify_s={1: 1.5, 2: 2.0}, head_s=0.0)
 
     monkeypatch.setattr(costs_module, "BareCostSampler", CountingSampler)  # what isinstance checks see
-    costs = measure_cycle_costs(model, 2, depths=range(3), burst=2, repeats=1, rounds=3, bare=CountingSampler(),
-                                bare_rounds_between=2)
+    costs = measure_cycle_costs(
+        model, 2, depths=range(3), burst=2, repeats=1, rounds=3, bare=CountingSampler(), bare_rounds_between=2
+    )
     assert calls == [2, 2, 2, "costs"]  # after every round of decodes, then the pooled costs
     assert costs.seconds[2] / costs.seconds[1] == pytest.approx(2.0 / 1.5)  # the sampler's shape
 
@@ -666,7 +692,9 @@ def _plant_calibration(monkeypatch, cycle_s: dict):
             return BareCosts(batch_size=self.batch_size, context=64, step_s=cycle_s[0], verify_s=verify)
 
     monkeypatch.setattr(autodepth, "BareCostSampler", PlantedSampler)
-    monkeypatch.setattr(autodepth, "measure_cycle_costs", lambda model, batch_size, **k: CycleCosts(batch_size, cycle_s))
+    monkeypatch.setattr(
+        autodepth, "measure_cycle_costs", lambda model, batch_size, **k: CycleCosts(batch_size, cycle_s)
+    )
 
 
 def test_greedy_rows_keep_a_controller_on_any_predicted_gain_and_start_speculating_past_the_margin(monkeypatch):
@@ -816,12 +844,16 @@ def test_warm_up_visits_every_speculating_depth_right_after_every_depth():
     assert {(prev, k) for prev in range(4) for k in range(1, 4)} <= after
 
 
-def test_an_adaptive_runtime_traces_every_depth_before_the_job_and_starts_its_counts_at_zero(predictable_qwen, monkeypatch):
+def test_an_adaptive_runtime_traces_every_depth_before_the_job_and_starts_its_counts_at_zero(
+    predictable_qwen, monkeypatch
+):
     import mtplx.autodepth.calibration as autodepth
     from mtplx.autodepth.policy import warm_up_depths
 
     controller = DepthController(CycleCosts(2, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}), [0.9, 0.8, 0.7], 3)
-    monkeypatch.setattr(autodepth, "plan_auto_depth", lambda model, contract, max_batch: AutoDepth(0, 3, controller, {}))
+    monkeypatch.setattr(
+        autodepth, "plan_auto_depth", lambda model, contract, max_batch: AutoDepth(0, 3, controller, {})
+    )
     launched = []
     real_launch = MTPLXRuntime._launch
 

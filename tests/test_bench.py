@@ -48,8 +48,11 @@ def test_ratio_summary_is_the_median_with_its_interval_and_min_and_max_as_spread
 
 def test_pairing_cancels_a_machine_slowdown_that_hits_one_pair():
     # The engine is always 1.25x its neighbour; the machine is 4x slower during pair 2.
-    runs = [(Run(100, 1.0, 0.0), Run(125, 1.0, 0.0)), (Run(100, 4.0, 0.0), Run(125, 4.0, 0.0)),
-            (Run(100, 1.0, 0.0), Run(125, 1.0, 0.0))]
+    runs = [
+        (Run(100, 1.0, 0.0), Run(125, 1.0, 0.0)),
+        (Run(100, 4.0, 0.0), Run(125, 4.0, 0.0)),
+        (Run(100, 1.0, 0.0), Run(125, 1.0, 0.0)),
+    ]
     ratios = paired_ratios([(b.tokens_per_s, e.tokens_per_s) for b, e in runs])
     assert ratio_summary(ratios)["ratio_vs_mlx_lm"] == pytest.approx(1.25)
     assert ratio_summary(ratios)["ratio_spread"] == pytest.approx([1.25, 1.25])
@@ -62,7 +65,9 @@ def test_run_rates_count_tokens_over_wall_and_over_time_outside_prefill():
 
 
 def _completion(tokens, steps, drafted, accepted):
-    return Completion(index=0, tokens=list(range(tokens)), steps=steps, drafted_by_depth=drafted, accepted_by_depth=accepted)
+    return Completion(
+        index=0, tokens=list(range(tokens)), steps=steps, drafted_by_depth=drafted, accepted_by_depth=accepted
+    )
 
 
 def test_acceptance_summary_sums_rows_per_depth_as_design_metrics_define():
@@ -109,11 +114,20 @@ def test_measured_speedup_is_the_median_of_each_rounds_depth_over_depth_zero():
 
 def test_decode_over_predicted_divides_each_rounds_speedup_by_that_rounds_own_prediction():
     recs = [
-        {"depth": 0, "run_tokens_per_s": [1.0] * 3, "run_decode_tokens_per_s": [100.0, 100.0, 100.0],
-         "run_predicted_speedups": [1.0] * 3},
+        {
+            "depth": 0,
+            "run_tokens_per_s": [1.0] * 3,
+            "run_decode_tokens_per_s": [100.0, 100.0, 100.0],
+            "run_predicted_speedups": [1.0] * 3,
+        },
         # Round speed-ups 1.2, 1.8, 1.35 against their own predictions 1.25, 2.0, 1.5: shares 0.96, 0.9, 0.9.
-        {"depth": 2, "run_tokens_per_s": [1.0] * 3, "run_decode_tokens_per_s": [120.0, 180.0, 135.0],
-         "run_predicted_speedups": [1.25, 2.0, 1.5], "predicted_speedup": 1.5},
+        {
+            "depth": 2,
+            "run_tokens_per_s": [1.0] * 3,
+            "run_decode_tokens_per_s": [120.0, 180.0, 135.0],
+            "run_predicted_speedups": [1.25, 2.0, 1.5],
+            "predicted_speedup": 1.5,
+        },
     ]
     add_measured_speedups(recs)
     assert "decode_over_predicted" not in recs[0]
@@ -134,8 +148,12 @@ def test_auto_vs_best_pairs_each_round_with_the_depth_best_on_the_other_rounds()
         2: [150.0, 170.0, 150.0, 170.0],  # best on the odd rounds (1.7 against 1.55)
     }
     recs = [
-        {"depth": d, "run_tokens_per_s": r, "paired_ratios": [x / b for x, b in zip(r, base)],
-         "ratio_vs_mlx_lm": statistics.median(x / b for x, b in zip(r, base))}
+        {
+            "depth": d,
+            "run_tokens_per_s": r,
+            "paired_ratios": [x / b for x, b in zip(r, base)],
+            "ratio_vs_mlx_lm": statistics.median(x / b for x, b in zip(r, base)),
+        }
         for d, r in runs.items()
     ]
     recs.append({"depth": "auto", "ratio_vs_mlx_lm": 1.6, "run_tokens_per_s": [180.0, 153.0, 150.0, 136.0]})
@@ -143,7 +161,9 @@ def test_auto_vs_best_pairs_each_round_with_the_depth_best_on_the_other_rounds()
     auto = recs[3]
     assert auto["best_fixed_depth"] == 2  # medians 1.4, 1.55, 1.6 over every round
     # Odd rounds pair with depth 1 (best on the even ones), even rounds with depth 2.
-    assert auto["auto_vs_best"] == pytest.approx(statistics.median([180 / 150, 153 / 150, 150 / 150, 136 / 160]))  # 1.01
+    assert auto["auto_vs_best"] == pytest.approx(
+        statistics.median([180 / 150, 153 / 150, 150 / 150, 136 / 160])
+    )  # 1.01
     # On the same rounds: every round against depth 2.
     assert auto["auto_vs_best_same_rounds"] == pytest.approx(statistics.median([1.2, 0.9, 1.0, 0.8]))
     assert "auto_vs_best" not in recs[1]
@@ -204,12 +224,32 @@ def test_requirements_check_depth0_decode_over_predicted_at_batch_1_and_4_and_au
     records = [
         {"engine": "mlx_lm", "batch_size": 4, "temperature": 0.0, "depth": None, "ratio_vs_mlx_lm": 1.0},
         rec(4, 0, ratio_vs_mlx_lm=1.2, ratio_ci=[1.1, 1.3], predicted_speedup=1.0, measured_decode_speedup=1.0),
-        rec(4, 2, ratio_vs_mlx_lm=1.3, predicted_speedup=1.2, measured_decode_speedup=1.0,
-            measured_decode_speedup_ci=[0.9, 1.06]),
-        rec(16, 2, ratio_vs_mlx_lm=1.0, predicted_speedup=1.2, measured_decode_speedup=0.5,
-            measured_decode_speedup_ci=[0.4, 0.6]),  # batch 16: not required
-        rec(4, "auto", ratio_vs_mlx_lm=1.25, predicted_speedup=1.1, measured_decode_speedup=1.0,
-            auto_vs_best=0.96, auto_vs_best_ci=[0.9, 1.0], best_fixed_depth=2),
+        rec(
+            4,
+            2,
+            ratio_vs_mlx_lm=1.3,
+            predicted_speedup=1.2,
+            measured_decode_speedup=1.0,
+            measured_decode_speedup_ci=[0.9, 1.06],
+        ),
+        rec(
+            16,
+            2,
+            ratio_vs_mlx_lm=1.0,
+            predicted_speedup=1.2,
+            measured_decode_speedup=0.5,
+            measured_decode_speedup_ci=[0.4, 0.6],
+        ),  # batch 16: not required
+        rec(
+            4,
+            "auto",
+            ratio_vs_mlx_lm=1.25,
+            predicted_speedup=1.1,
+            measured_decode_speedup=1.0,
+            auto_vs_best=0.96,
+            auto_vs_best_ci=[0.9, 1.0],
+            best_fixed_depth=2,
+        ),
     ]
     depth0, decode, auto = check_requirements(records)
     assert [(c.label, c.status) for c in depth0.cells] == [("B=4 T=0", "met")]
@@ -354,9 +394,17 @@ def test_rounds_run_the_baseline_then_every_depth_in_a_changing_order_then_bare_
     base_runs, pairs = bench.run_rounds(None, runtimes, batches, 1, 0.0, plan, lambda: calls.append("bare"))
     recs = bench.setting_records(runtimes, 1, 0.0, base_runs, pairs, costs, plan, lambda s: None)
     assert calls == [
-        ("mlx_lm", 4, 1), (0, 4, 1), (1, 4, 1),  # warm-up on the first round's prompts
-        ("mlx_lm", 8, 1), (0, 8, 1), (1, 8, 1), "bare",  # round 1, then a round of bare costs
-        ("mlx_lm", 8, 3), (1, 8, 3), (0, 8, 3), "bare",  # round 2: its own prompts, the order changes
+        ("mlx_lm", 4, 1),
+        (0, 4, 1),
+        (1, 4, 1),  # warm-up on the first round's prompts
+        ("mlx_lm", 8, 1),
+        (0, 8, 1),
+        (1, 8, 1),
+        "bare",  # round 1, then a round of bare costs
+        ("mlx_lm", 8, 3),
+        (1, 8, 3),
+        (0, 8, 3),
+        "bare",  # round 2: its own prompts, the order changes
     ]
     base, d0, d1 = recs
     assert base["engine"] == "mlx_lm" and base["runs"] == 2
@@ -430,11 +478,11 @@ def test_interleaved_times_run_lead_calls_of_a_pass_untimed_before_its_burst(mon
             # timing that included a lead call would read far above 1.
             clock[0] += 100.0 if len(calls) % 4 == 1 else 1.0
             return mx.zeros((1,))
+
         return run
 
     monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
-    times = costs.interleaved_times({"a": pass_named("a"), "b": pass_named("b")}, repeats=2, burst=3,
-                                    warmups=0, lead=1)
+    times = costs.interleaved_times({"a": pass_named("a"), "b": pass_named("b")}, repeats=2, burst=3, warmups=0, lead=1)
     assert calls == ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4  # per round and pass: 1 lead + a burst of 3
     assert times == {"a": [1.0, 1.0], "b": [1.0, 1.0]}
     assert costs.LEAD >= 1  # the bare-cost sampler times every pass warm
@@ -472,17 +520,36 @@ def test_interleaved_times_hold_no_output_of_a_call_over_the_next():
 # ------------------------------------------------------------ a real tiny run
 
 MTPLX_KEYS = {
-    "engine", "batch_size", "depth", "depth_used", "temperature", "tokens_per_s", "ratio_vs_mlx_lm",
-    "ratio_spread", "ratio_ci", "acceptance_by_depth", "mean_accepted_length", "ideal_tokens_per_cycle",
-    "predicted_speedup", "measured_speedup", "measured_decode_speedup_ci", "bare_costs",
+    "engine",
+    "batch_size",
+    "depth",
+    "depth_used",
+    "temperature",
+    "tokens_per_s",
+    "ratio_vs_mlx_lm",
+    "ratio_spread",
+    "ratio_ci",
+    "acceptance_by_depth",
+    "mean_accepted_length",
+    "ideal_tokens_per_cycle",
+    "predicted_speedup",
+    "measured_speedup",
+    "measured_decode_speedup_ci",
+    "bare_costs",
 }
 
 
 @pytest.fixture(scope="module")
 def tiny_records(tiny_model):
     records = bench.run_bench(
-        tiny_model, batch_sizes=(1, 2), depths=(0, 1, "auto"), temperatures=(0.0, 1.0),
-        max_tokens=4, repeats=1, prompts=[[3, 4, 5], [6, 7, 8, 9, 10]], progress=False,
+        tiny_model,
+        batch_sizes=(1, 2),
+        depths=(0, 1, "auto"),
+        temperatures=(0.0, 1.0),
+        max_tokens=4,
+        repeats=1,
+        prompts=[[3, 4, 5], [6, 7, 8, 9, 10]],
+        progress=False,
     )
     return json.loads(json.dumps(records))  # the records survive JSON unchanged
 
@@ -499,8 +566,15 @@ def test_tiny_run_writes_a_header_with_machine_versions_and_blas(tiny_records, t
 
 def test_a_run_of_more_prompts_than_slots_streams_them_all_through_the_batch(tiny_model):
     records = bench.run_bench(
-        tiny_model, batch_sizes=(2,), depths=(0, 1), temperatures=(0.0,), max_tokens=3, repeats=1,
-        num_prompts={2: 5}, prompts=[[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15], [16]], progress=False,
+        tiny_model,
+        batch_sizes=(2,),
+        depths=(0, 1),
+        temperatures=(0.0,),
+        max_tokens=3,
+        repeats=1,
+        num_prompts={2: 5},
+        prompts=[[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15], [16]],
+        progress=False,
     )
     assert records[0]["prompts"]["per_run"] == {"2": 5}
     runs = records[1:]
@@ -512,20 +586,40 @@ def test_a_run_of_more_prompts_than_slots_streams_them_all_through_the_batch(tin
 def test_a_checkpoint_without_an_mtp_head_is_benchmarked_plainly_or_refused_clearly(tmp_path):
     path = tiny_checkpoint("qwen3_5", tmp_path / "nohead", vocab_size=48, mtp_num_hidden_layers=0)
     records = bench.run_bench(
-        path, batch_sizes=(1,), depths=(0, 2, "auto"), temperatures=(0.0,), max_tokens=3, repeats=1,
-        prompts=[[3, 4, 5]], progress=False,
+        path,
+        batch_sizes=(1,),
+        depths=(0, 2, "auto"),
+        temperatures=(0.0,),
+        max_tokens=3,
+        repeats=1,
+        prompts=[[3, 4, 5]],
+        progress=False,
     )
     assert [(r["engine"], r["depth"]) for r in records[1:]] == [("mlx_lm", None), ("mtplx", 0), ("mtplx", "auto")]
     assert records[-1]["depth_used"] == 0
     with pytest.raises(ValueError, match="no MTP head.*--depths 0"):
-        bench.run_bench(path, batch_sizes=(1,), depths=(2,), temperatures=(0.0,), max_tokens=3, repeats=1,
-                        prompts=[[3, 4, 5]], progress=False)
+        bench.run_bench(
+            path,
+            batch_sizes=(1,),
+            depths=(2,),
+            temperatures=(0.0,),
+            max_tokens=3,
+            repeats=1,
+            prompts=[[3, 4, 5]],
+            progress=False,
+        )
 
 
 def test_depth_0_runs_as_the_reference_of_measured_speedups_when_not_asked_for(tiny_model, capsys):
     records = bench.run_bench(
-        tiny_model, batch_sizes=(1,), depths=(1,), temperatures=(0.0,), max_tokens=3, repeats=1,
-        prompts=[[3, 4, 5]], progress=False,
+        tiny_model,
+        batch_sizes=(1,),
+        depths=(1,),
+        temperatures=(0.0,),
+        max_tokens=3,
+        repeats=1,
+        prompts=[[3, 4, 5]],
+        progress=False,
     )
     assert "depth 0 added" in capsys.readouterr().err  # said even without progress lines
     assert records[0]["settings"]["depths"] == [0, 1] and records[0]["settings"]["depths_asked"] == [1]
@@ -536,7 +630,9 @@ def test_depth_0_runs_as_the_reference_of_measured_speedups_when_not_asked_for(t
 def test_tiny_run_has_one_record_per_engine_batch_size_depth_and_temperature(tiny_records):
     keys = [(r["engine"], r["batch_size"], r["depth"], r["temperature"]) for r in tiny_records[1:]]
     expected = [
-        (e, B, d, t) for B in (1, 2) for t in (0.0, 1.0)
+        (e, B, d, t)
+        for B in (1, 2)
+        for t in (0.0, 1.0)
         for e, d in [("mlx_lm", None), ("mtplx", 0), ("mtplx", 1), ("mtplx", "auto")]
     ]
     assert keys == expected
@@ -570,14 +666,22 @@ def test_tiny_run_mtplx_records_follow_the_schema_and_formulas(tiny_records):
             assert all(p == pytest.approx(1.0) for p in r["run_predicted_speedups"])
         else:
             assert r["decode_over_predicted"] == pytest.approx(
-                statistics.median(m / p for m, p in zip(_round_decode_speedups(tiny_records, r), r["run_predicted_speedups"])))
+                statistics.median(
+                    m / p for m, p in zip(_round_decode_speedups(tiny_records, r), r["run_predicted_speedups"])
+                )
+            )
         if r["depth"] == "auto":
             assert r["best_fixed_depth"] != "auto" and r["auto_vs_best"] > 0
 
 
 def _round_decode_speedups(records, r):
-    plain = next(p for p in records if p["engine"] == "mtplx" and p["depth"] == 0
-                 and (p["batch_size"], p["temperature"]) == (r["batch_size"], r["temperature"]))
+    plain = next(
+        p
+        for p in records
+        if p["engine"] == "mtplx"
+        and p["depth"] == 0
+        and (p["batch_size"], p["temperature"]) == (r["batch_size"], r["temperature"])
+    )
     return [e / b for b, e in zip(plain["run_decode_tokens_per_s"], r["run_decode_tokens_per_s"])]
 
 
@@ -598,7 +702,8 @@ def test_table_has_a_line_for_every_record_and_the_bare_costs(tiny_records):
     for r in tiny_records[1:]:
         depth = "-" if r["engine"] == "mlx_lm" else ("auto=" if r["depth"] == "auto" else str(r["depth"]))
         assert any(
-            line.split()[:3] == [str(r["batch_size"]), f"{r['temperature']:g}", r["engine"]] and depth in line.split()[3]
+            line.split()[:3] == [str(r["batch_size"]), f"{r['temperature']:g}", r["engine"]]
+            and depth in line.split()[3]
             and f"{r['tokens_per_s']:.1f}" in line
             for line in lines
         ), (r, table)
@@ -622,9 +727,13 @@ def _plot_records():
     rows = [{"engine": "header"}]
     for B in (1, 4):
         for t in (0.0, 1.0):
-            rows.append({"engine": "mlx_lm", "batch_size": B, "depth": None, "temperature": t, "tokens_per_s": 10.0 * B})
+            rows.append(
+                {"engine": "mlx_lm", "batch_size": B, "depth": None, "temperature": t, "tokens_per_s": 10.0 * B}
+            )
             for d in (0, 2, "auto"):
-                rows.append({"engine": "mtplx", "batch_size": B, "depth": d, "temperature": t, "tokens_per_s": 12.0 * B})
+                rows.append(
+                    {"engine": "mtplx", "batch_size": B, "depth": d, "temperature": t, "tokens_per_s": 12.0 * B}
+                )
     return rows
 
 
@@ -634,7 +743,9 @@ def test_plot_without_matplotlib_fails_with_a_clear_message(monkeypatch, tmp_pat
         write_plot(_plot_records(), tmp_path / "p.png")
 
 
-def test_module_entry_asked_to_plot_without_matplotlib_stops_before_running_with_one_line(monkeypatch, tmp_path, capsys):
+def test_module_entry_asked_to_plot_without_matplotlib_stops_before_running_with_one_line(
+    monkeypatch, tmp_path, capsys
+):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the bench ran"))
     rc = bench.main(["--output", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")])
@@ -661,8 +772,27 @@ def test_plot_draws_a_png(tmp_path):
 
 def test_module_entry_writes_json_records_and_prints_the_table(tiny_model, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = bench.main(["--model", str(tiny_model), "--output", str(out), "--batch-sizes", "1", "--depths", "0",
-                     "--temperatures", "0", "--max-tokens", "2", "--repeats", "1", "--prompts", "1", "--quiet"])
+    rc = bench.main(
+        [
+            "--model",
+            str(tiny_model),
+            "--output",
+            str(out),
+            "--batch-sizes",
+            "1",
+            "--depths",
+            "0",
+            "--temperatures",
+            "0",
+            "--max-tokens",
+            "2",
+            "--repeats",
+            "1",
+            "--prompts",
+            "1",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     records = json.loads(out.read_text())
     assert [r["engine"] for r in records] == ["header", "mlx_lm", "mtplx"]
@@ -675,8 +805,23 @@ def test_mtplx_bench_command_takes_prompts_per_batch_size_and_refuses_a_count_mi
     from pipeline.model_cli import bench_cmd
 
     out = tmp_path / "b.json"
-    args = ["--model", str(tiny_model), "--batch-sizes", "1,2", "--depths", "0", "--temperatures", "0",
-            "--max-tokens", "2", "--repeats", "1", "--quiet", "--output", str(out)]
+    args = [
+        "--model",
+        str(tiny_model),
+        "--batch-sizes",
+        "1,2",
+        "--depths",
+        "0",
+        "--temperatures",
+        "0",
+        "--max-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--quiet",
+        "--output",
+        str(out),
+    ]
     result = CliRunner().invoke(bench_cmd, args + ["--prompts", "1,3"])
     assert result.exit_code == 0, result.output
     records = json.loads(out.read_text())
@@ -693,8 +838,25 @@ def test_an_unwritable_output_or_plot_path_is_refused_before_the_run(tiny_model,
 
     paths = {"--output": str(tmp_path / "b.json"), "--plot": str(tmp_path / "p.png")}
     paths[option] = str(tmp_path / "no-such-dir" / "x")
-    args = ["--model", str(tiny_model), "--batch-sizes", "1", "--depths", "0", "--temperatures", "0",
-            "--max-tokens", "2", "--repeats", "1", "--quiet", "--output", paths["--output"], "--plot", paths["--plot"]]
+    args = [
+        "--model",
+        str(tiny_model),
+        "--batch-sizes",
+        "1",
+        "--depths",
+        "0",
+        "--temperatures",
+        "0",
+        "--max-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--quiet",
+        "--output",
+        paths["--output"],
+        "--plot",
+        paths["--plot"],
+    ]
     if option == "--plot":
         pytest.importorskip("matplotlib")
     result = CliRunner().invoke(bench_cmd, args)

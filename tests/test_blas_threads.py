@@ -13,8 +13,9 @@ from mtplx.models.loader import load
 from mtplx.runtime import MTPLXRuntime
 
 # Switching is only observable where OpenBLAS is loaded and starts with several threads.
-switching = pytest.mark.skipif((blas_threads.openblas_threads() or 1) < 2,
-                               reason="no OpenBLAS with several threads in this process")
+switching = pytest.mark.skipif(
+    (blas_threads.openblas_threads() or 1) < 2, reason="no OpenBLAS with several threads in this process"
+)
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14]]
 
 
@@ -22,7 +23,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14]]
 def forced(monkeypatch):
     """The test model's GEMMs are far below OpenBLAS's split: move the window onto them."""
     monkeypatch.setattr(blas_threads, "OPENBLAS_SPLITS_ABOVE", 0)
-    monkeypatch.setattr(blas_threads, "SINGLE_THREAD_MNK", 2 ** 40)
+    monkeypatch.setattr(blas_threads, "SINGLE_THREAD_MNK", 2**40)
 
 
 def test_decode_runs_single_threaded_only_between_openblas_split_and_the_cut_off():
@@ -84,12 +85,13 @@ def _spy_on_counts(monkeypatch, rt):
 
 @switching
 def test_a_cycle_is_launched_single_threaded_prefill_at_the_callers_count_and_outputs_do_not_change(
-        tiny_model, monkeypatch, forced):
+    tiny_model, monkeypatch, forced
+):
     model = load(tiny_model)
     callers = blas_threads.openblas_threads()
     monkeypatch.setattr(blas_threads, "SINGLE_THREAD_MNK", 0)  # never single-threaded
     plain = MTPLXRuntime(model, MTPContract(depth=2), max_batch=2).generate(PROMPTS, max_tokens=12)
-    monkeypatch.setattr(blas_threads, "SINGLE_THREAD_MNK", 2 ** 40)
+    monkeypatch.setattr(blas_threads, "SINGLE_THREAD_MNK", 2**40)
     rt = MTPLXRuntime(model, MTPContract(depth=2), max_batch=2)
     seen = _spy_on_counts(monkeypatch, rt)
     got = rt.generate(PROMPTS, max_tokens=12)
@@ -125,8 +127,9 @@ def test_a_switch_waits_for_the_work_in_flight(monkeypatch, forced, tiny_model):
 def test_the_caller_gets_its_count_back_between_completions_and_after_an_early_close(tiny_model, forced):
     rt = MTPLXRuntime(load(tiny_model), MTPContract(depth=2), max_batch=2)
     callers = blas_threads.openblas_threads()
-    stream = rt.stream(iter([Request(index=i, prompt=p, sampling=SamplingParams(), max_tokens=30)
-                             for i, p in enumerate(PROMPTS)]))
+    stream = rt.stream(
+        iter([Request(index=i, prompt=p, sampling=SamplingParams(), max_tokens=30) for i, p in enumerate(PROMPTS)])
+    )
     next(stream)
     assert blas_threads.openblas_threads() == callers  # paused at a completion
     next(stream)
@@ -136,8 +139,7 @@ def test_the_caller_gets_its_count_back_between_completions_and_after_an_early_c
 
 
 @switching
-def test_generate_gives_the_callers_count_back_once_at_the_end_not_at_every_completion(tiny_model, forced,
-                                                                                       monkeypatch):
+def test_generate_gives_the_callers_count_back_once_at_the_end_not_at_every_completion(tiny_model, forced, monkeypatch):
     rt = MTPLXRuntime(load(tiny_model), MTPContract(depth=2), max_batch=2)
     callers = blas_threads.openblas_threads()
     released = []

@@ -10,8 +10,18 @@ def test_help_lists_the_commands():
 
 
 def test_overwrite_and_retry_errors_together_are_refused_in_one_line(tmp_path):
-    result = CliRunner().invoke(cli, ["generate", "--input", str(tmp_path / "in.parquet"), "--output",
-                                      str(tmp_path / "out"), "--overwrite", "--retry-errors"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "--input",
+            str(tmp_path / "in.parquet"),
+            "--output",
+            str(tmp_path / "out"),
+            "--overwrite",
+            "--retry-errors",
+        ],
+    )
     assert result.exit_code == 2 and "--overwrite and --retry-errors" in result.output
     assert not (tmp_path / "out").exists()
 

@@ -113,7 +113,9 @@ def test_qwen3_5_zero_centred_norms_are_shifted_exactly_once(float_conversion):
     assert mx.array_equal(mlx[f"language_model.model.{name}"], hf[f"model.language_model.{name}"] + 1.0).item()
     sidecar = mx.load(str(dst / "mtp.safetensors"))
     assert mx.array_equal(sidecar["mtp.norm.weight"], hf["mtp.norm.weight"] + 1.0).item()
-    assert mx.array_equal(sidecar["mtp.layers.0.input_layernorm.weight"], hf["mtp.layers.0.input_layernorm.weight"] + 1.0).item()
+    assert mx.array_equal(
+        sidecar["mtp.layers.0.input_layernorm.weight"], hf["mtp.layers.0.input_layernorm.weight"] + 1.0
+    ).item()
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "qwen3_next", "mimo"])
@@ -186,7 +188,9 @@ def test_quantised_head_equals_the_source_head_with_fake_quantised_weights(ckpt,
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
 def test_quantize_head_false_keeps_the_head_float_and_unchanged(ckpt, tmp_path, family):
     src = ckpt(family, hidden_size=64)
-    report = convert(src, tmp_path / "out", dtype="float32", q_bits=4, q_group_size=32, quantize_head=False, progress=False)
+    report = convert(
+        src, tmp_path / "out", dtype="float32", q_bits=4, q_group_size=32, quantize_head=False, progress=False
+    )
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["mtplx"]["head_quantization"] is None and report["head"]["full_precision"]
     source, converted = mtplx.load(src), mtplx.load(tmp_path / "out")

@@ -185,7 +185,12 @@ def test_a_swapped_model_computes_what_mlx_lm_computes_and_other_loads_are_untou
     assert {type(m) for _, m in other.trunk.named_modules()} == before
     new_logits, new_hidden = model.forward(tokens)
     new_head_logits, new_head_out = model.head(new_hidden, tokens)
-    for got, want in ((new_logits, logits), (new_hidden, hidden), (new_head_logits, head_logits), (new_head_out, head_out)):
+    for got, want in (
+        (new_logits, logits),
+        (new_hidden, hidden),
+        (new_head_logits, head_logits),
+        (new_head_out, head_out),
+    ):
         assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item()
     assert not mx.array_equal(new_logits, logits).item()  # the activations did change
 
@@ -249,8 +254,15 @@ def test_half_precision_activations_round_what_float32_computes(dtype):
     x = mx.random.normal((4, 20, 64)) * 6
     h = x.astype(dtype)
     want = nn.silu(h.astype(mx.float32))
-    for f in (fast_silu, step_silu, lambda v: step_swiglu(v, mx.ones_like(v)), lambda v: fast_swiglu(v, mx.ones_like(v))):
+    for f in (
+        fast_silu,
+        step_silu,
+        lambda v: step_swiglu(v, mx.ones_like(v)),
+        lambda v: fast_swiglu(v, mx.ones_like(v)),
+    ):
         got = f(h)
         assert got.dtype == dtype
         assert mx.allclose(got.astype(mx.float32), want, rtol=1e-2, atol=1e-2).item()
-        assert (mx.abs(got.astype(mx.float32) - want) <= mx.abs(want.astype(dtype).astype(mx.float32) - want) * 1.01 + 1e-6).mean().item() > 0.99
+        assert (
+            mx.abs(got.astype(mx.float32) - want) <= mx.abs(want.astype(dtype).astype(mx.float32) - want) * 1.01 + 1e-6
+        ).mean().item() > 0.99

@@ -47,8 +47,12 @@ def head_caches(model, lengths, seed=0):
     for j in range(model.num_head_layers):
         c = SlotKVCache(B)
         probe = SlotKVCache(B)  # the head's own K/V shapes, from one eager pass
-        model.head(mx.zeros((B, 1, hidden_size(model))), mx.zeros((B, 1), dtype=mx.int32),
-                   cache=[probe if l == j else None for l in range(model.num_head_layers)], depth=j + 1)
+        model.head(
+            mx.zeros((B, 1, hidden_size(model))),
+            mx.zeros((B, 1), dtype=mx.int32),
+            cache=[probe if l == j else None for l in range(model.num_head_layers)],
+            depth=j + 1,
+        )
         H, D = probe.keys.shape[1], probe.keys.shape[3]
         L = max(lengths)
         c.keys = mx.array(rng.normal(size=(B, H, L, D)).astype(np.float32))
@@ -91,8 +95,9 @@ def step_by_step(model, logits, hidden, keys, sampling, caches, k, rule):
         drafts.append(d)
         if i < k:
             j = i % n
-            lg, out = model.head(hidden[:, None], d, cache=[caches[j] if l == j else None for l in range(n)],
-                                 depth=j + 1)
+            lg, out = model.head(
+                hidden[:, None], d, cache=[caches[j] if l == j else None for l in range(n)], depth=j + 1
+            )
             logits, hidden = lg[:, 0], out[:, 0]
     return mx.concatenate(drafts, axis=1), (mx.concatenate(qs, axis=1) if qs else None)
 
@@ -105,8 +110,9 @@ def caught_up(model, pending, caches):
     n = model.num_head_layers
     for j, c in enumerate(caches):
         before = c.lengths
-        lg, out = model.head(pending.hidden, pending.tokens, cache=[c if l == j else None for l in range(n)],
-                             depth=j + 1)  # [B, T, V], [B, T, H]
+        lg, out = model.head(
+            pending.hidden, pending.tokens, cache=[c if l == j else None for l in range(n)], depth=j + 1
+        )  # [B, T, V], [B, T, H]
         if j == 0:
             rows = mx.arange(B)
             logits, hidden = lg[rows, pending.take], out[rows, pending.take]  # [B, V], [B, H]
@@ -116,8 +122,9 @@ def caught_up(model, pending, caches):
 
 @pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_draft_chain_catches_the_head_up_then_drafts_what_the_head_fed_its_own_output_drafts(model, compiled,
-                                                                                             temperature):
+def test_draft_chain_catches_the_head_up_then_drafts_what_the_head_fed_its_own_output_drafts(
+    model, compiled, temperature
+):
     rng = np.random.default_rng(1)
     caches = head_caches(model, [5, 9, 2])
     T = 3

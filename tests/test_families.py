@@ -107,9 +107,18 @@ class Layout:
     def block_suffixes(self, raw, j):
         """The MTP layer's decoder-layer tensors, by suffix."""
         p = self.mtp_prefix(j)
-        own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.",
-               "token_layernorm.", "hidden_layernorm.", "input_proj.", "final_layernorm.")
-        return {k[len(p):]: v for k, v in raw.items() if k.startswith(p) and not k[len(p):].startswith(own)}
+        own = (
+            "enorm.",
+            "hnorm.",
+            "eh_proj.",
+            "shared_head.",
+            "embed_tokens.",
+            "token_layernorm.",
+            "hidden_layernorm.",
+            "input_proj.",
+            "final_layernorm.",
+        )
+        return {k[len(p) :]: v for k, v in raw.items() if k.startswith(p) and not k[len(p) :].startswith(own)}
 
 
 def reference_block(layout: Layout, raw, j):
@@ -337,7 +346,9 @@ def test_qwen_head_norms_get_the_plus_one_shift(checkpoints):
     head = model.head
     for name, module in (("pre_fc_norm_embedding", head.pre_fc_norm_embedding), ("norm", head.norm)):
         assert mx.array_equal(module.weight, 1.0 + raw[f"mtp.{name}.weight"]).item()
-    assert mx.array_equal(head.layers[0].input_layernorm.weight, 1.0 + raw["mtp.layers.0.input_layernorm.weight"]).item()
+    assert mx.array_equal(
+        head.layers[0].input_layernorm.weight, 1.0 + raw["mtp.layers.0.input_layernorm.weight"]
+    ).item()
 
 
 def test_qwen3_5_moe_fused_gate_up_proj_is_split(checkpoints):
@@ -353,7 +364,9 @@ def test_deepseek_head_uses_its_own_embedding_and_output_head(checkpoints):
     path, model, raw, layout = checkpoints("deepseek_v3")
     assert mx.array_equal(model.head.embed_tokens.weight, raw["model.layers.2.embed_tokens.weight"]).item()
     assert not mx.array_equal(model.head.embed_tokens.weight, raw["model.embed_tokens.weight"]).item()
-    assert mx.array_equal(model.head.layers[0].shared_head.head.weight, raw["model.layers.2.shared_head.head.weight"]).item()
+    assert mx.array_equal(
+        model.head.layers[0].shared_head.head.weight, raw["model.layers.2.shared_head.head.weight"]
+    ).item()
 
 
 # -- converted layout (mtp.safetensors sidecar), full precision and quantised ---------
@@ -384,12 +397,18 @@ def test_quantised_sidecar_head_is_rebuilt_quantised(checkpoints, tmp_path, fami
     path, model, raw, layout = checkpoints(family)
     quant = {"group_size": 32, "bits": 8}
     fresh = mtplx.load(path).head
-    nn.quantize(fresh, group_size=32, bits=8,
-                class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+    nn.quantize(
+        fresh,
+        group_size=32,
+        bits=8,
+        class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0,
+    )
     _write_sidecar(path, tmp_path / "q", fresh, quant)
     again = mtplx.load(tmp_path / "q")
-    assert isinstance(again.head.layers[0].mtp_block.mlp.down_proj if family == "mimo"
-                      else again.head.layers[0].eh_proj, nn.QuantizedLinear)
+    assert isinstance(
+        again.head.layers[0].mtp_block.mlp.down_proj if family == "mimo" else again.head.layers[0].eh_proj,
+        nn.QuantizedLinear,
+    )
     hidden, tokens = fixed_inputs(1, 4, model.text_model.embed_tokens.weight.shape[1])
     assert mx.array_equal(again.head(hidden, tokens)[0], fresh(hidden, tokens)[0]).item()
     # 8-bit stays close to the full-precision head (a broken dequant would not).

@@ -10,7 +10,6 @@ one-position step; a prompt pass over the whole prompt rounds that position
 differently, and on a bf16 DeepSeek-V3 checkpoint greedy decoding then left
 mlx-lm's on 7 of 40 prompts (`mtplx.prefill.last_token_step`)."""
 
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -36,7 +35,9 @@ def test_greedy_speculation_on_a_bf16_checkpoint_emits_mlx_lm_greedy_tokens(tmp_
     # token, 2 of these left mlx-lm's decoding on the deepseek_v3
     # checkpoint and 2 on the glm4_moe_lite one.
     prompts = [rng.integers(1, VOCAB, size=int(n)).tolist() for n in rng.integers(1, 61, size=22)] + [
-        rng.integers(1, VOCAB, size=130).tolist(), [5]]
+        rng.integers(1, VOCAB, size=130).tolist(),
+        [5],
+    ]
     # One prompt at a time against mlx-lm: prefilled with other prompts, a
     # bf16 mixture of experts can round an output one bf16 step apart (a
     # qwen3_next checkpoint at batch 4: a logit of 1.234 where mlx-lm had

@@ -24,8 +24,13 @@ ALLOWED = {
     "pipeline": {"pipeline", "api"},
 }
 # The commands' entry points, which the pipeline's CLI may import beside the public API.
-ENTRY_POINTS = {"mtplx.bench.run", "mtplx.bench.report", "mtplx.models.convert", "mtplx.models.info",
-                "mtplx.training.tiny"}
+ENTRY_POINTS = {
+    "mtplx.bench.run",
+    "mtplx.bench.report",
+    "mtplx.models.convert",
+    "mtplx.models.info",
+    "mtplx.training.tiny",
+}
 API = {"mtplx", "mtplx.runtime", "mtplx.sampling", "mtplx.assets"}
 
 
@@ -131,9 +136,11 @@ def test_the_checks_catch_a_wrong_direction_a_cpu_form_outside_backends_and_a_cy
     graph["mtplx.decode.runtime"] = set(graph["mtplx.decode.runtime"]) | {"mtplx.autodepth.policy"}
     graph["mtplx.models.loader"] = set(graph["mtplx.models.loader"]) | {"mtplx.backends.cpu.experts"}
     graph["pipeline.engine"] = set(graph["pipeline.engine"]) | {"mtplx.decode.cache"}
-    assert forbidden_edges(graph) == [("mtplx.decode.runtime", "mtplx.autodepth.policy"),
-                                      ("mtplx.models.loader", "mtplx.backends.cpu.experts"),
-                                      ("pipeline.engine", "mtplx.decode.cache")]
+    assert forbidden_edges(graph) == [
+        ("mtplx.decode.runtime", "mtplx.autodepth.policy"),
+        ("mtplx.models.loader", "mtplx.backends.cpu.experts"),
+        ("pipeline.engine", "mtplx.decode.cache"),
+    ]
     graph["mtplx.decode.cache"] = set(graph["mtplx.decode.cache"]) | {"mtplx.decode.runtime"}
     assert any({"mtplx.decode.cache", "mtplx.decode.runtime"} <= set(c) for c in cycles(graph))
 

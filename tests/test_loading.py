@@ -158,7 +158,11 @@ def test_truncated_shard_is_named(ckpt):
         ("deepseek_v3", "model.layers.2.mlp.experts.1.up_proj.weight", "model.layers.2.mlp.experts.1.up_proj.weight"),
         ("deepseek_v3", "model.layers.2.embed_tokens.weight", "embed_tokens"),
         # the checkpoint's name, not the head's embed_q / unembed_out it is split into
-        ("glm4_moe_lite", "model.layers.2.self_attn.kv_b_proj.weight", r"model\.layers\.2\.self_attn\.kv_b_proj\.weight"),
+        (
+            "glm4_moe_lite",
+            "model.layers.2.self_attn.kv_b_proj.weight",
+            r"model\.layers\.2\.self_attn\.kv_b_proj\.weight",
+        ),
         ("mimo", "model.mtp_layers.0.input_proj.weight", "input_proj"),
         ("qwen3_next", "mtp.pre_fc_norm_hidden.weight", "pre_fc_norm_hidden"),
     ],
@@ -197,15 +201,21 @@ def test_a_misshaped_mtp_tensor_the_trunk_transforms_is_named_as_the_checkpoint_
     path = ckpt("glm4_moe_lite")
     key = "model.layers.2.self_attn.kv_b_proj.weight"
     rewrite(path, lambda t: t.__setitem__(key, t[key][:-4]))
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.self_attn\.kv_b_proj\.weight' has shape .* as "
-                                              r"model\.layers\.1\.self_attn\.kv_b_proj\.weight has"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.2\.self_attn\.kv_b_proj\.weight' has shape .* as "
+        r"model\.layers\.1\.self_attn\.kv_b_proj\.weight has",
+    ):
         mtplx.load(path)
 
 
-@pytest.mark.parametrize("family, key", [
-    ("qwen3_5", "model.language_model.layers.1.mlp.down_proj.weight"),
-    ("deepseek_v3", "model.layers.1.mlp.experts.1.gate_proj.weight"),  # a key the trunk's sanitize looks up
-])
+@pytest.mark.parametrize(
+    "family, key",
+    [
+        ("qwen3_5", "model.language_model.layers.1.mlp.down_proj.weight"),
+        ("deepseek_v3", "model.layers.1.mlp.experts.1.gate_proj.weight"),  # a key the trunk's sanitize looks up
+    ],
+)
 def test_a_missing_trunk_tensor_is_one_line_naming_what_is_missing(ckpt, family, key):
     path = ckpt(family)
     rewrite(path, lambda t: t.pop(key))
@@ -279,7 +289,8 @@ def test_a_release_that_names_its_own_code_loads_on_a_terminal_without_asking_to
     ran = tmp_path / "ran"
     (path / "configuration_mimo.py").write_text(
         f"open({str(ran)!r}, 'w').write('ran')\n"
-        "from transformers import PretrainedConfig\n\n\nclass MiMoConfig(PretrainedConfig):\n    model_type = 'mimo'\n")
+        "from transformers import PretrainedConfig\n\n\nclass MiMoConfig(PretrainedConfig):\n    model_type = 'mimo'\n"
+    )
     script = f"import mtplx; mtplx.load({str(path)!r}); print('LOADED')"
     t0 = time.perf_counter()
     pid, fd = pty.fork()

@@ -1,7 +1,6 @@
 """Float32 numerics: log-softmax, normalisation, non-finite guards and the
 residual distribution (edge cases and probability conservation)."""
 
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -198,9 +197,9 @@ def _normalised(weights):
     return (w / w.sum()).astype(np.float32)
 
 
-weights = st.lists(
-    st.one_of(st.just(0.0), st.just(1e-9), st.floats(0.0, 1.0)), min_size=2, max_size=8
-).filter(lambda w: sum(w) > 1e-3)
+weights = st.lists(st.one_of(st.just(0.0), st.just(1e-9), st.floats(0.0, 1.0)), min_size=2, max_size=8).filter(
+    lambda w: sum(w) > 1e-3
+)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

@@ -9,8 +9,10 @@ PROMPTS = ["the cat", "a dog is", "hello there", "one two three"]
 
 
 def job_text(inp, out, model, extra="", prompt='column = "prompt"', id_line='id_column = "id"'):
-    return (f'[model]\npath = "{model}"\n[input]\npath = "{inp}"\n{id_line}\n[prompt]\n{prompt}\n'
-            f'[generation]\nmax_tokens = 4\n[output]\npath = "{out}"\n{extra}')
+    return (
+        f'[model]\npath = "{model}"\n[input]\npath = "{inp}"\n{id_line}\n[prompt]\n{prompt}\n'
+        f'[generation]\nmax_tokens = 4\n[output]\npath = "{out}"\n{extra}'
+    )
 
 
 def one_error_line(result) -> str:
@@ -119,17 +121,20 @@ def test_corrupt_data_page_found_mid_run_is_named(tmp_path, tiny_model):
     ids = [f"r{i}" for i in range(8)]
     prompts = [f"prompt number {i} " * 3 for i in range(8)]
     path = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": ids, "prompt": prompts}), path, row_group_size=4, compression="none",
-                   use_dictionary=False)
+    pq.write_table(
+        pa.table({"id": ids, "prompt": prompts}), path, row_group_size=4, compression="none", use_dictionary=False
+    )
     meta = pq.read_metadata(path)
     col = meta.row_group(1).column(1)
     data = bytearray(path.read_bytes())
     start = col.data_page_offset
-    data[start: start + col.total_compressed_size] = b"\xff" * col.total_compressed_size
+    data[start : start + col.total_compressed_size] = b"\xff" * col.total_compressed_size
     path.write_bytes(bytes(data))
     out = tmp_path / "out"
-    job = write_job(tmp_path / "j.toml", job_text(path, out, tiny_model, extra="flush_rows = 1\n") +
-                    "[batch]\nread_rows = 4\nwindow = 1\n")
+    job = write_job(
+        tmp_path / "j.toml",
+        job_text(path, out, tiny_model, extra="flush_rows = 1\n") + "[batch]\nread_rows = 4\nwindow = 1\n",
+    )
     line = one_error_line(invoke("run", job, "--quiet"))
     assert str(path) in line and "corrupt" in line and line.isprintable()
 
@@ -150,8 +155,7 @@ def test_unwritable_output_directory_is_refused(tmp_path, tiny_model, good_input
 
 
 def test_unknown_spec_key_is_refused(tmp_path, tiny_model, good_input):
-    job = write_job(tmp_path / "j.toml", job_text(good_input, tmp_path / "out", tiny_model,
-                                                  extra="flush_every = 3\n"))
+    job = write_job(tmp_path / "j.toml", job_text(good_input, tmp_path / "out", tiny_model, extra="flush_every = 3\n"))
     line = one_error_line(invoke("run", job))
     assert "flush_every" in line and "[output]" in line
 
@@ -184,8 +188,9 @@ def test_changed_spec_on_an_existing_output_is_refused_until_overwrite(tmp_path,
     out = tmp_path / "out"
     job = write_job(tmp_path / "j.toml", job_text(good_input, out, tiny_model))
     assert invoke("run", job).exit_code == 0
-    changed = write_job(tmp_path / "j2.toml", job_text(good_input, out, tiny_model, extra="") + "[sampling]\n"
-                        "temperature = 0.7\n")
+    changed = write_job(
+        tmp_path / "j2.toml", job_text(good_input, out, tiny_model, extra="") + "[sampling]\ntemperature = 0.7\n"
+    )
     line = one_error_line(invoke("run", changed))
     assert "different job" in line and "[sampling]" in line and "--overwrite" in line
     r = invoke("run", changed, "--overwrite")
@@ -220,8 +225,9 @@ def bad_utf8(*values):
     """A string column holding bytes as given: Parquet does not check UTF-8."""
     import pyarrow as pa
 
-    return pa.array([v if v is None else v.encode() if isinstance(v, str) else v for v in values],
-                    pa.binary()).view(pa.string())
+    return pa.array([v if v is None else v.encode() if isinstance(v, str) else v for v in values], pa.binary()).view(
+        pa.string()
+    )
 
 
 def test_invalid_utf8_prompt_is_a_row_error_and_its_batch_goes_on(tmp_path, tiny_model):
@@ -229,8 +235,9 @@ def test_invalid_utf8_prompt_is_a_row_error_and_its_batch_goes_on(tmp_path, tiny
     note = bad_utf8("n0", "n1", b"\xc3(")
     inp = write_parquet(tmp_path / "in.parquet", id=["a", "b", "c"], prompt=prompt, note=note)
     out = tmp_path / "out"
-    job = write_job(tmp_path / "j.toml", job_text(inp, out, tiny_model, id_line='id_column = "id"\n'
-                                                  'keep_columns = ["note"]'))
+    job = write_job(
+        tmp_path / "j.toml", job_text(inp, out, tiny_model, id_line='id_column = "id"\nkeep_columns = ["note"]')
+    )
     r = invoke("run", job)
     assert r.exit_code == 1, r.output
     assert "2 row errors" in r.stderr and "Traceback" not in r.output
@@ -347,7 +354,9 @@ def test_a_template_format_a_rows_value_does_not_take_is_that_rows_error(tmp_pat
     rows = {r["id"]: r for r in parts_rows(out)}
     assert rows["a"]["error"] is None and rows["a"]["finish_reason"] in ("stop", "length")
     assert "null" in rows["b"]["error"]
-    job = write_job(tmp_path / "j2.toml", job_text(inp, tmp_path / "out2", tiny_model, prompt='template = "{n} {word:d}"'))
+    job = write_job(
+        tmp_path / "j2.toml", job_text(inp, tmp_path / "out2", tiny_model, prompt='template = "{n} {word:d}"')
+    )
     result = invoke("run", job)
     assert result.exit_code == 1, result.output
     rows = {r["id"]: r for r in parts_rows(tmp_path / "out2")}
@@ -357,20 +366,48 @@ def test_a_template_format_a_rows_value_does_not_take_is_that_rows_error(tmp_pat
 
 def test_a_top_k_past_int32_keeps_every_token_instead_of_crashing(tmp_path, tiny_model, good_input):
     for k, out in ((2**31, "big"), (0, "off")):
-        result = invoke("generate", "--input", good_input, "--output", tmp_path / out, "--model", tiny_model,
-                        "--max-tokens", 4, "--temperature", 1.0, "--top-k", k, "--seed", 3)
+        result = invoke(
+            "generate",
+            "--input",
+            good_input,
+            "--output",
+            tmp_path / out,
+            "--model",
+            tiny_model,
+            "--max-tokens",
+            4,
+            "--temperature",
+            1.0,
+            "--top-k",
+            k,
+            "--seed",
+            3,
+        )
         assert result.exit_code == 0, result.output
-    assert [r["completion_tokens"] for r in parts_rows(tmp_path / "big")] == \
-        [r["completion_tokens"] for r in parts_rows(tmp_path / "off")]
+    assert [r["completion_tokens"] for r in parts_rows(tmp_path / "big")] == [
+        r["completion_tokens"] for r in parts_rows(tmp_path / "off")
+    ]
 
 
 def test_an_empty_id_column_option_keys_rows_by_index_past_an_unusable_id_column(tmp_path, tiny_model):
     inp = write_parquet(tmp_path / "in.parquet", id=[1.5, 1.5, 2.0, 3.0], prompt=PROMPTS)
     line = one_error_line(
-        invoke("generate", "--input", inp, "--output", tmp_path / "o1", "--model", tiny_model, "--max-tokens", 4))
+        invoke("generate", "--input", inp, "--output", tmp_path / "o1", "--model", tiny_model, "--max-tokens", 4)
+    )
     assert "must hold integers or strings" in line and "--id-column '' keys the rows by row index" in line
-    result = invoke("generate", "--input", inp, "--output", tmp_path / "o2", "--model", tiny_model,
-                    "--max-tokens", 4, "--id-column", "")
+    result = invoke(
+        "generate",
+        "--input",
+        inp,
+        "--output",
+        tmp_path / "o2",
+        "--model",
+        tiny_model,
+        "--max-tokens",
+        4,
+        "--id-column",
+        "",
+    )
     assert result.exit_code == 0, result.output
     assert len(parts_rows(tmp_path / "o2")) == 4
 
@@ -390,12 +427,15 @@ def test_an_empty_input_file_whose_prompt_column_is_null_typed_joins_the_others(
     assert rows["a"]["error"] is None and "null" in rows["c"]["error"]
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["generate", "--input", "x", "--output", "y", "--batch-size", "0"], "'--batch-size'"),
-    (["generate", "--output", "y"], "Missing option '--input'"),
-    (["generat"], "No such command 'generat'"),
-    (["--bogus"], "No such option '--bogus'"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["generate", "--input", "x", "--output", "y", "--batch-size", "0"], "'--batch-size'"),
+        (["generate", "--output", "y"], "Missing option '--input'"),
+        (["generat"], "No such command 'generat'"),
+        (["--bogus"], "No such option '--bogus'"),
+    ],
+)
 def test_a_bad_command_line_is_one_line_naming_the_option_and_exit_2(args, fragment):
     line = one_error_line(invoke(*args))
     assert fragment in line and "--help" in line

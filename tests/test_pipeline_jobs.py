@@ -40,10 +40,13 @@ def test_evaluate_job_reports_accuracy(tiny_model, tmp_path):
     spec = load_spec(REPO / "jobs" / "evaluate.toml")
     subset = tmp_path / "subset.parquet"  # 16 rows keep the tiny model's prefill short
     pq.write_table(pq.read_table(spec.input.path).slice(0, 16), subset)
-    spec = replace(spec, model=replace(spec.model, path=str(tiny_model)),
-                   input=replace(spec.input, path=str(subset)),
-                   generation=replace(spec.generation, max_tokens=2),
-                   output=replace(spec.output, path=str(tmp_path / "out")))
+    spec = replace(
+        spec,
+        model=replace(spec.model, path=str(tiny_model)),
+        input=replace(spec.input, path=str(subset)),
+        generation=replace(spec.generation, max_tokens=2),
+        output=replace(spec.output, path=str(tmp_path / "out")),
+    )
     result = run_job(spec, RunOptions(quiet=True), log=lambda s: None)
     assert result.exit_code == 0
     s = result.summary
@@ -55,11 +58,14 @@ def test_a_job_at_depth_auto_says_what_it_planned_and_records_it_in_the_summary(
 
     data = write_parquet(tmp_path / "in.parquet", id=[1, 2, 3], prompt=["ab", "abc", "b"])
     spec = load_spec(REPO / "jobs" / "nightly.toml")
-    spec = replace(spec, model=replace(spec.model, path=str(tiny_model), depth="auto"),
-                   input=replace(spec.input, path=str(data), keep_columns=[]),
-                   generation=replace(spec.generation, max_tokens=4, stop=[]),
-                   batch=replace(spec.batch, max_batch=2),
-                   output=replace(spec.output, path=str(tmp_path / "out")))
+    spec = replace(
+        spec,
+        model=replace(spec.model, path=str(tiny_model), depth="auto"),
+        input=replace(spec.input, path=str(data), keep_columns=[]),
+        generation=replace(spec.generation, max_tokens=4, stop=[]),
+        batch=replace(spec.batch, max_batch=2),
+        output=replace(spec.output, path=str(tmp_path / "out")),
+    )
     lines = []
     result = run_job(spec, RunOptions(), log=lines.append)
     assert result.exit_code == 0, lines
@@ -76,12 +82,15 @@ def test_a_resumed_auto_job_samples_at_the_depth_its_first_run_recorded(tiny_mod
 
     data = write_parquet(tmp_path / "in.parquet", id=[1, 2, 3, 4], prompt=["ab", "abc", "b", "ba"])
     spec = load_spec(REPO / "jobs" / "nightly.toml")
-    spec = replace(spec, model=replace(spec.model, path=str(tiny_model), depth="auto"),
-                   input=replace(spec.input, path=str(data), keep_columns=[]),
-                   sampling=replace(spec.sampling, temperature=1.0),
-                   generation=replace(spec.generation, max_tokens=4, stop=[]),
-                   batch=replace(spec.batch, max_batch=2),
-                   output=replace(spec.output, path=str(tmp_path / "out")))
+    spec = replace(
+        spec,
+        model=replace(spec.model, path=str(tiny_model), depth="auto"),
+        input=replace(spec.input, path=str(data), keep_columns=[]),
+        sampling=replace(spec.sampling, temperature=1.0),
+        generation=replace(spec.generation, max_tokens=4, stop=[]),
+        batch=replace(spec.batch, max_batch=2),
+        output=replace(spec.output, path=str(tmp_path / "out")),
+    )
     out = tmp_path / "out"
     first = run_job(spec, RunOptions(quiet=True), log=lambda s: None)
     chosen = first.summary["runtime"]["stats"]["auto_depth"]["depth"]

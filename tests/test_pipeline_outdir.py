@@ -17,8 +17,10 @@ PROMPTS = ["the cat sat", "a dog ran", "the sun is", "hello there"]
 def make_job(tmp_path, model, out=None, inp=None, name="j"):
     inp = inp or write_parquet(tmp_path / "in.parquet", id=[f"r{i}" for i in range(len(PROMPTS))], prompt=PROMPTS)
     out = out or tmp_path / "out"
-    text = (f'[model]\npath = "{model}"\n[input]\npath = "{inp}"\nid_column = "id"\n[prompt]\ncolumn = "prompt"\n'
-            f'[generation]\nmax_tokens = 3\n[output]\npath = "{out}"\nflush_rows = 1\n')
+    text = (
+        f'[model]\npath = "{model}"\n[input]\npath = "{inp}"\nid_column = "id"\n[prompt]\ncolumn = "prompt"\n'
+        f'[generation]\nmax_tokens = 3\n[output]\npath = "{out}"\nflush_rows = 1\n'
+    )
     return write_job(tmp_path / f"{name}.toml", text), out
 
 
@@ -97,8 +99,9 @@ def test_an_output_directory_inside_the_input_directory_resumes_without_reading_
     (out / "summary.json").unlink()  # as a run killed before its summary leaves it
     r = invoke("run", job)
     assert r.exit_code == 0, r.output
-    assert {k: v for k, v in snapshot(out).items() if k.startswith("part-")} == \
-        {k: v for k, v in first.items() if k.startswith("part-")}
+    assert {k: v for k, v in snapshot(out).items() if k.startswith("part-")} == {
+        k: v for k, v in first.items() if k.startswith("part-")
+    }
     line = one_line(invoke("generate", "--input", data, "--output", data, "--model", tiny_model))
     assert "is the input" in line
 

@@ -8,13 +8,38 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import invoke, write_job, write_parquet
 
-RESULT_COLUMNS = ["completion", "completion_tokens", "prompt_tokens", "finish_reason", "error",
-                  "drafted_by_depth", "accepted_by_depth", "acceptance_rate", "mean_accepted_length",
-                  "decode_steps"]
-SUMMARY_FIELDS = ["rows", "errors", "prompt_tokens", "completion_tokens", "wall_seconds",
-                  "prefill_tokens_per_second", "decode_tokens_per_second", "acceptance_by_depth",
-                  "mean_accepted_length", "acceptance_rate", "peak_memory", "spec", "versions", "spec_hash",
-                  "model", "finish_reasons", "input_rows", "parts"]
+RESULT_COLUMNS = [
+    "completion",
+    "completion_tokens",
+    "prompt_tokens",
+    "finish_reason",
+    "error",
+    "drafted_by_depth",
+    "accepted_by_depth",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "decode_steps",
+]
+SUMMARY_FIELDS = [
+    "rows",
+    "errors",
+    "prompt_tokens",
+    "completion_tokens",
+    "wall_seconds",
+    "prefill_tokens_per_second",
+    "decode_tokens_per_second",
+    "acceptance_by_depth",
+    "mean_accepted_length",
+    "acceptance_rate",
+    "peak_memory",
+    "spec",
+    "versions",
+    "spec_hash",
+    "model",
+    "finish_reasons",
+    "input_rows",
+    "parts",
+]
 PROMPTS = ["the cat sat", "a dog ran", "the sun is", "hello there", "the cat sat", "one two"]
 
 
@@ -23,8 +48,13 @@ def read_parts(out):
 
 
 def make_job(tmp_path, model, body, name="j"):
-    inp = write_parquet(tmp_path / "in.parquet", id=[f"r{i}" for i in range(len(PROMPTS))], prompt=PROMPTS,
-                        reference=["the", "dog", "sun", "xyz", "the", "two"], topic=["a", "b", "c", "d", "e", "f"])
+    inp = write_parquet(
+        tmp_path / "in.parquet",
+        id=[f"r{i}" for i in range(len(PROMPTS))],
+        prompt=PROMPTS,
+        reference=["the", "dog", "sun", "xyz", "the", "two"],
+        topic=["a", "b", "c", "d", "e", "f"],
+    )
     out = tmp_path / f"out-{name}"
     text = f'[model]\npath = "{model}"\n[input]\npath = "{inp}"\nid_column = "id"\n[output]\npath = "{out}"\n' + body
     return write_job(tmp_path / f"{name}.toml", text), out
@@ -34,8 +64,12 @@ def make_job(tmp_path, model, body, name="j"):
 def finished(tmp_path_factory, tiny_model):
     """One greedy job over PROMPTS, depth 2, with evaluation and logprobs."""
     tmp = tmp_path_factory.mktemp("finished")
-    job, out = make_job(tmp, tiny_model, '[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 6\n'
-                        '[evaluation]\nreference_column = "reference"\nscorer = "contains"\n')
+    job, out = make_job(
+        tmp,
+        tiny_model,
+        '[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 6\n'
+        '[evaluation]\nreference_column = "reference"\nscorer = "contains"\n',
+    )
     r = invoke("run", job, "--logprobs")
     assert r.exit_code == 0, r.output
     return out
@@ -108,15 +142,18 @@ def test_inspect_of_a_non_output_directory_is_a_bad_job(tmp_path):
 
 
 def test_n_samples_templates_and_seeds(tmp_path, tiny_model):
-    body = ('[prompt]\ntemplate = ["Say {topic}", "About {topic}:"]\n[sampling]\ntemperature = 1.0\nseed = 7\n'
-            '[generation]\nn = 3\nmax_tokens = 5\n')
+    body = (
+        '[prompt]\ntemplate = ["Say {topic}", "About {topic}:"]\n[sampling]\ntemperature = 1.0\nseed = 7\n'
+        "[generation]\nn = 3\nmax_tokens = 5\n"
+    )
     job, out = make_job(tmp_path, tiny_model, body)
     r = invoke("run", job)
     assert r.exit_code == 0, r.output
     t = read_parts(out)
     assert t.column_names[:5] == ["id", "template_index", "sample_index", "topic", "rendered_prompt"]
-    keys = sorted(zip(t.column("id").to_pylist(), t.column("template_index").to_pylist(),
-                      t.column("sample_index").to_pylist()))
+    keys = sorted(
+        zip(t.column("id").to_pylist(), t.column("template_index").to_pylist(), t.column("sample_index").to_pylist())
+    )
     assert keys == sorted((f"r{i}", tt, s) for i in range(len(PROMPTS)) for tt in (0, 1) for s in range(3))
     rows = {(r["id"], r["template_index"], r["sample_index"]): r for r in t.to_pylist()}
     assert rows[("r1", 1, 0)]["rendered_prompt"] == "About b:"
@@ -130,26 +167,41 @@ def test_n_samples_templates_and_seeds(tmp_path, tiny_model):
 
 
 def test_chat_messages_use_the_tokenizer_chat_template(tmp_path, tiny_model):
-    inp = write_parquet(tmp_path / "in.parquet", messages=[[{"role": "user", "content": "hi"}],
-                                                           [{"role": "user", "content": "the cat"}]])
+    inp = write_parquet(
+        tmp_path / "in.parquet",
+        messages=[[{"role": "user", "content": "hi"}], [{"role": "user", "content": "the cat"}]],
+    )
     out = tmp_path / "out"
-    job = write_job(tmp_path / "j.toml", f'[model]\npath = "{tiny_model}"\n[input]\npath = "{inp}"\n'
-                    f'[prompt]\nmessages = "messages"\n[generation]\nmax_tokens = 3\n[output]\npath = "{out}"\n')
+    job = write_job(
+        tmp_path / "j.toml",
+        f'[model]\npath = "{tiny_model}"\n[input]\npath = "{inp}"\n'
+        f'[prompt]\nmessages = "messages"\n[generation]\nmax_tokens = 3\n[output]\npath = "{out}"\n',
+    )
     assert invoke("run", job).exit_code == 0
     rows = sorted(read_parts(out).to_pylist(), key=lambda r: r["row_index"])
     # "user: hi\nassistant: " is 20 characters of the char-level tokenizer
     assert [r["row_index"] for r in rows] == [0, 1] and rows[0]["prompt_tokens"] == 20
 
 
-@pytest.mark.parametrize("scorer, reference, completion, expected", [
-    ("exact", "abc", " abc\n", 1.0), ("exact", "abc", "abcd", 0.0),
-    ("contains", "bc", "abcd", 1.0), ("contains", "x", "abcd", 0.0),
-    ("regex", r"^a.c", "abcd", 1.0), ("regex", r"\d+", "abcd", 0.0), ("regex", "(", "abcd", None),
-    ("exact", None, "abc", None), ("exact", 42, "42", 1.0),
-    # A reference with no text is no answer: "" is in every completion and matches every regex.
-    ("contains", "", "abcd", None), ("contains", "   ", "abcd", None), ("regex", "", "abcd", None),
-    ("exact", "", "", None),
-])
+@pytest.mark.parametrize(
+    "scorer, reference, completion, expected",
+    [
+        ("exact", "abc", " abc\n", 1.0),
+        ("exact", "abc", "abcd", 0.0),
+        ("contains", "bc", "abcd", 1.0),
+        ("contains", "x", "abcd", 0.0),
+        ("regex", r"^a.c", "abcd", 1.0),
+        ("regex", r"\d+", "abcd", 0.0),
+        ("regex", "(", "abcd", None),
+        ("exact", None, "abc", None),
+        ("exact", 42, "42", 1.0),
+        # A reference with no text is no answer: "" is in every completion and matches every regex.
+        ("contains", "", "abcd", None),
+        ("contains", "   ", "abcd", None),
+        ("regex", "", "abcd", None),
+        ("exact", "", "", None),
+    ],
+)
 def test_scorers(scorer, reference, completion, expected):
     from pipeline.scoring import make_scorer
     from pipeline.spec import EvaluationSpec
@@ -165,8 +217,11 @@ def test_dry_run_reports_without_loading_weights_or_writing(tmp_path, tiny_model
     prompts = ["the cat", None, "x" * 2100]
     inp = write_parquet(tmp_path / "in.parquet", id=["a", "b", "c"], prompt=prompts)
     out = tmp_path / "out"
-    job = write_job(tmp_path / "j.toml", f'[model]\npath = "{broken}"\n[input]\npath = "{inp}"\nid_column = "id"\n'
-                    f'[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 8\n[output]\npath = "{out}"\n')
+    job = write_job(
+        tmp_path / "j.toml",
+        f'[model]\npath = "{broken}"\n[input]\npath = "{inp}"\nid_column = "id"\n'
+        f'[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 8\n[output]\npath = "{out}"\n',
+    )
     r = invoke("run", job, "--dry-run")
     assert r.exit_code == 0, r.output
     assert not out.exists()
@@ -181,8 +236,21 @@ def test_generate_equals_the_same_job_run_from_a_spec(tmp_path, tiny_model):
     job, out = make_job(tmp_path, tiny_model, '[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 5\n')
     assert invoke("run", job).exit_code == 0
     out2 = tmp_path / "gen"
-    r = invoke("generate", "--input", tmp_path / "in.parquet", "--output", out2, "--model", tiny_model,
-               "--max-tokens", 5, "--batch-size", 3, "--keep-column", "topic")
+    r = invoke(
+        "generate",
+        "--input",
+        tmp_path / "in.parquet",
+        "--output",
+        out2,
+        "--model",
+        tiny_model,
+        "--max-tokens",
+        5,
+        "--batch-size",
+        3,
+        "--keep-column",
+        "topic",
+    )
     assert r.exit_code == 0, r.output
     a = {r["id"]: r["completion"] for r in read_parts(out).to_pylist()}
     b = read_parts(out2)
@@ -195,8 +263,11 @@ def test_datasets_input_and_row_index_keys(tmp_path, tiny_model):
     path = tmp_path / "ds"
     datasets.Dataset.from_dict({"prompt": ["the cat", "a dog", "the sun"]}).save_to_disk(str(path))
     out = tmp_path / "out"
-    job = write_job(tmp_path / "j.toml", f'[model]\npath = "{tiny_model}"\n[input]\ndataset = "{path}"\n'
-                    f'[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 3\n[output]\npath = "{out}"\n')
+    job = write_job(
+        tmp_path / "j.toml",
+        f'[model]\npath = "{tiny_model}"\n[input]\ndataset = "{path}"\n'
+        f'[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 3\n[output]\npath = "{out}"\n',
+    )
     r = invoke("run", job)
     assert r.exit_code == 0, r.output
     rows = sorted(read_parts(out).to_pylist(), key=lambda r: r["row_index"])
@@ -231,8 +302,9 @@ def test_max_memory_sizes_the_runtime(tmp_path, tiny_model):
 def test_a_job_of_fewer_rows_than_slots_decodes_in_as_many_slots_as_it_has_samples(tmp_path, tiny_model):
     inp, out = tmp_path / "in.parquet", tmp_path / "out"
     write_parquet(inp, prompt=["the cat", "a dog", "one"])
-    r = invoke("generate", "--input", inp, "--output", out, "--model", tiny_model, "--max-tokens", 2,
-               "--batch-size", 16)
+    r = invoke(
+        "generate", "--input", inp, "--output", out, "--model", tiny_model, "--max-tokens", 2, "--batch-size", 16
+    )
     assert r.exit_code == 0, r.output
     assert json.loads((out / "summary.json").read_text())["runtime"]["max_batch"] == 3
     assert read_parts(out).num_rows == 3
@@ -250,9 +322,11 @@ def test_a_reference_column_of_bytes_or_floats_is_a_bad_job_not_a_silent_zero(tm
 
     for name, values in (("binary", pa.array([b"ab", b"cd"])), ("float", pa.array([3.0, 4.0]))):
         inp = write_parquet(tmp_path / f"{name}.parquet", prompt=["a b", "c d"], reference=values)
-        job = write_job(tmp_path / f"{name}.toml",
-                        f'[model]\npath = "{tiny_model}"\n[input]\npath = "{inp}"\n[prompt]\ncolumn = "prompt"\n'
-                        f'[evaluation]\nreference_column = "reference"\n[generation]\nmax_tokens = 2\n'
-                        f'[output]\npath = "{tmp_path / name}"\n')
+        job = write_job(
+            tmp_path / f"{name}.toml",
+            f'[model]\npath = "{tiny_model}"\n[input]\npath = "{inp}"\n[prompt]\ncolumn = "prompt"\n'
+            f'[evaluation]\nreference_column = "reference"\n[generation]\nmax_tokens = 2\n'
+            f'[output]\npath = "{tmp_path / name}"\n',
+        )
         result = invoke("run", job)
         assert result.exit_code == 2 and "reference column 'reference' must hold strings or integers" in result.stderr

@@ -22,11 +22,14 @@ def make_inputs(tmp_path, rows=ROWS):
 
 
 def job_spec(tmp_path, model, inp, out, sampling: str, n: int, name: str):
-    return write_job(tmp_path / f"{name}.toml", (
-        f'[model]\npath = "{model}"\ndepth = 2\n[input]\npath = "{inp}"\nid_column = "id"\n'
-        f'[prompt]\ncolumn = "prompt"\n[sampling]\n{sampling}\n[generation]\nmax_tokens = 12\nn = {n}\n'
-        f'[batch]\nmax_batch = 4\nwindow = 8\nread_rows = 16\n[output]\npath = "{out}"\nflush_rows = 3\n'
-    ))
+    return write_job(
+        tmp_path / f"{name}.toml",
+        (
+            f'[model]\npath = "{model}"\ndepth = 2\n[input]\npath = "{inp}"\nid_column = "id"\n'
+            f'[prompt]\ncolumn = "prompt"\n[sampling]\n{sampling}\n[generation]\nmax_tokens = 12\nn = {n}\n'
+            f'[batch]\nmax_batch = 4\nwindow = 8\nread_rows = 16\n[output]\npath = "{out}"\nflush_rows = 3\n'
+        ),
+    )
 
 
 def parts(out):
@@ -35,16 +38,21 @@ def parts(out):
 
 def rows_by_key(out, n):
     t = pq.read_table(parts(out))
-    keys = list(zip(t.column("id").to_pylist(),
-                    t.column("sample_index").to_pylist() if n > 1 else [0] * t.num_rows))
+    keys = list(zip(t.column("id").to_pylist(), t.column("sample_index").to_pylist() if n > 1 else [0] * t.num_rows))
     assert len(keys) == len(set(keys)), "a row appears more than once"
     cols = ("completion", "finish_reason", "completion_tokens")
     return dict(zip(keys, zip(*(t.column(c).to_pylist() for c in cols))))
 
 
 def start(job):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(job), "--quiet"], cwd=REPO,
-                            env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(job), "--quiet"],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def kill_at(job, out, min_parts: int, delay: float) -> bool:
@@ -62,10 +70,13 @@ def kill_at(job, out, min_parts: int, delay: float) -> bool:
     return alive
 
 
-@pytest.mark.parametrize("kind, sampling, n", [
-    ("greedy", "temperature = 0.0", 1),
-    ("sampled", "temperature = 0.9\ntop_p = 0.95\nseed = 11", 2),
-])
+@pytest.mark.parametrize(
+    "kind, sampling, n",
+    [
+        ("greedy", "temperature = 0.0", 1),
+        ("sampled", "temperature = 0.9\ntop_p = 0.95\nseed = 11", 2),
+    ],
+)
 def test_kill_9_at_random_points_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny_model, kind, sampling, n):
     # 4x ROWS: a job of ROWS rows ended within 1.5 s of its start here, before
     # the first kill point (the CI-like run of 2026-12-01 at 33b69e2).
@@ -80,16 +91,21 @@ def test_kill_9_at_random_points_then_rerun_equals_an_uninterrupted_run(tmp_path
     job = job_spec(tmp_path, tiny_model, inp, out, sampling, n, "job")
     rng = random.Random(f"{kind}-kill-points")
     # (parts to wait for, then seconds): during start-up, then twice a few parts in
-    points = [(0, rng.uniform(0.5, 2.0)), (rng.randint(1, 5), rng.uniform(0.0, 0.05)),
-              (rng.randint(1, 5), rng.uniform(0.0, 0.3))]
+    points = [
+        (0, rng.uniform(0.5, 2.0)),
+        (rng.randint(1, 5), rng.uniform(0.0, 0.05)),
+        (rng.randint(1, 5), rng.uniform(0.0, 0.3)),
+    ]
     killed_mid_run = 0
     for min_parts, delay in points:
         alive = kill_at(job, out, min_parts, delay)
         killed_mid_run += alive and not (out / "summary.json").exists()
         for p in parts(out):  # every part present is whole
             pq.read_metadata(p)
-    print(f"{kind}: kill points {[(m, round(d, 3)) for m, d in points]}, {killed_mid_run} landed mid-run, "
-          f"{len(parts(out))} parts before the final run")
+    print(
+        f"{kind}: kill points {[(m, round(d, 3)) for m, d in points]}, {killed_mid_run} landed mid-run, "
+        f"{len(parts(out))} parts before the final run"
+    )
     assert killed_mid_run >= 2
 
     final = run_cli("run", job, "--quiet")

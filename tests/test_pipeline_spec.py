@@ -105,8 +105,10 @@ def test_memory_sizes_parse():
 def test_relative_paths_resolve_against_the_spec_file(tmp_path):
     job = tmp_path / "jobs" / "j.toml"
     job.parent.mkdir()
-    job.write_text('[input]\npath = "data/p.parquet"\n[prompt]\ncolumn = "prompt"\n[output]\npath = "../out/j"\n'
-                   '[model]\npath = "models/m"\n')
+    job.write_text(
+        '[input]\npath = "data/p.parquet"\n[prompt]\ncolumn = "prompt"\n[output]\npath = "../out/j"\n'
+        '[model]\npath = "models/m"\n'
+    )
     s = load_spec(job)
     assert s.input.path == str(job.parent / "data/p.parquet")
     assert s.output.path == str(tmp_path / "out" / "j")

@@ -39,7 +39,9 @@ def write_rows(path, n):
         m = min(16384, n - start)
         ids = pa.array([f"row-{i:08d}" for i in range(start, start + m)])
         lens = rng.integers(20, 60, m)
-        prompts = pa.array([("the cat sat on the mat " * 3)[:k] + str(i) for i, k in zip(range(start, start + m), lens)])
+        prompts = pa.array(
+            [("the cat sat on the mat " * 3)[:k] + str(i) for i, k in zip(range(start, start + m), lens)]
+        )
         table = pa.table({"id": ids, "prompt": prompts})
         writer = writer or pq.ParquetWriter(path, table.schema)
         writer.write_table(table)
@@ -49,12 +51,17 @@ def write_rows(path, n):
 
 def peak_rss(tmp_path, rows: int, model, fake: bool, name: str) -> dict:
     inp = write_rows(tmp_path / f"{name}.parquet", rows)
-    doc = {"model": {"path": str(model)}, "input": {"path": str(inp), "id_column": "id"},
-           "prompt": {"column": "prompt"}, "generation": {"max_tokens": 1},
-           "output": {"path": str(tmp_path / f"out-{name}"), "flush_rows": 2000}}
+    doc = {
+        "model": {"path": str(model)},
+        "input": {"path": str(inp), "id_column": "id"},
+        "prompt": {"column": "prompt"},
+        "generation": {"max_tokens": 1},
+        "output": {"path": str(tmp_path / f"out-{name}"), "flush_rows": 2000},
+    }
     script = SCRIPT.format(tests=str(REPO / "tests"), doc=repr(doc), fake=fake)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), cwd=REPO,
-                       timeout=1800)
+    p = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=1800
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert result["rows"] == rows and result["errors"] == 0
@@ -68,8 +75,10 @@ def test_pipeline_memory_stays_flat_from_20k_to_200k_rows(tmp_path):
     small = peak_rss(tmp_path, 20_000, model, True, "small")
     large = peak_rss(tmp_path, 200_000, model, True, "large")
     growth = large["rss"] - small["rss"]
-    print(f"peak RSS: 20k rows {small['rss'] / 1e6:.0f} MB, 200k rows {large['rss'] / 1e6:.0f} MB, "
-          f"growth {growth / 1e6:.1f} MB")
+    print(
+        f"peak RSS: 20k rows {small['rss'] / 1e6:.0f} MB, 200k rows {large['rss'] / 1e6:.0f} MB, "
+        f"growth {growth / 1e6:.1f} MB"
+    )
     # What may grow: 8 bytes a row for the id check and resume keys (1.6 MB),
     # and allocator noise. Holding the rows as Python objects would add >100 MB.
     assert growth < 60e6
@@ -81,7 +90,9 @@ def test_real_runtime_memory_is_bounded_over_a_large_input(tmp_path, tiny_model)
     small = peak_rss(tmp_path, 2_000, tiny_model, False, "small")
     large = peak_rss(tmp_path, 30_000, tiny_model, False, "large")
     growth = large["rss"] - small["rss"]
-    print(f"real runtime peak RSS: 2k rows {small['rss'] / 1e6:.0f} MB, 30k rows {large['rss'] / 1e6:.0f} MB, "
-          f"growth {growth / 1e6:.1f} MB")
+    print(
+        f"real runtime peak RSS: 2k rows {small['rss'] / 1e6:.0f} MB, 30k rows {large['rss'] / 1e6:.0f} MB, "
+        f"growth {growth / 1e6:.1f} MB"
+    )
     assert growth < 150e6
     assert large["rss"] < 2e9

@@ -24,8 +24,16 @@ from pipeline.writer import PartWriter
 
 
 def prow(ordinal, length, error=None):
-    return PromptRow(ordinal=ordinal, template_index=0, id=ordinal, values={}, tokens=None if error else [1] * length,
-                     text=None, error=error, todo=(0,))
+    return PromptRow(
+        ordinal=ordinal,
+        template_index=0,
+        id=ordinal,
+        values={},
+        tokens=None if error else [1] * length,
+        text=None,
+        error=error,
+        todo=(0,),
+    )
 
 
 # ---------------------------------------------------------------- keys
@@ -106,8 +114,7 @@ def test_a_signal_during_a_part_write_is_held_until_the_part_is_whole(tmp_path):
     stopper = Stopper()
     stopper.install()
     try:
-        w = PartWriter(tmp_path, pa.schema([("x", pa.int64())]), 0, flush_rows=100, flush_seconds=1e9,
-                       stopper=stopper)
+        w = PartWriter(tmp_path, pa.schema([("x", pa.int64())]), 0, flush_rows=100, flush_seconds=1e9, stopper=stopper)
         w.add({"x": 1})
         original = w._write_part
 
@@ -159,12 +166,18 @@ def test_a_signal_while_a_prompt_is_tokenized_stops_the_job_instead_of_failing_t
 
 
 def test_totals_sum_ragged_acceptance_lists_by_depth():
-    t = pa.table({
-        "error": [None, "boom", None], "finish_reason": ["stop", "error", "length"],
-        "prompt_tokens": [3, 4, 5], "completion_tokens": [6, 0, 4],
-        "drafted_by_depth": [[4, 4], [], [3, 3, 3]], "accepted_by_depth": [[2, 1], [], [3, 2, 0]],
-        "mean_accepted_length": [1.75, None, 2.0], "decode_steps": [4, 0, 3],
-    })
+    t = pa.table(
+        {
+            "error": [None, "boom", None],
+            "finish_reason": ["stop", "error", "length"],
+            "prompt_tokens": [3, 4, 5],
+            "completion_tokens": [6, 0, 4],
+            "drafted_by_depth": [[4, 4], [], [3, 3, 3]],
+            "accepted_by_depth": [[2, 1], [], [3, 2, 0]],
+            "mean_accepted_length": [1.75, None, 2.0],
+            "decode_steps": [4, 0, 3],
+        }
+    )
     tot = Totals()
     tot.add_part(t)
     m = tot.metrics()
@@ -179,9 +192,13 @@ def test_totals_sum_ragged_acceptance_lists_by_depth():
 
 
 def fake_spec(tmp_path, inp, **extra):
-    doc = {"model": {"path": str(tmp_path / "model")}, "input": {"path": str(inp), "id_column": "id"},
-           "prompt": {"column": "prompt"}, "generation": {"max_tokens": 6},
-           "output": {"path": str(tmp_path / "out"), "flush_rows": 2}}
+    doc = {
+        "model": {"path": str(tmp_path / "model")},
+        "input": {"path": str(inp), "id_column": "id"},
+        "prompt": {"column": "prompt"},
+        "generation": {"max_tokens": 6},
+        "output": {"path": str(tmp_path / "out"), "flush_rows": 2},
+    }
     for k, v in extra.items():
         doc[k] = {**doc.get(k, {}), **v}
     return spec_from_dict(doc)
@@ -240,8 +257,9 @@ def test_rerunning_a_finished_job_draws_no_progress_bar(tmp_path, fake_model_dir
 
 
 def run_with_context(spec, max_context, **opts):
-    return run_job(spec, RunOptions(quiet=True, **opts), engine_factory=fake_engine_factory(max_context),
-                   log=lambda s: None)
+    return run_job(
+        spec, RunOptions(quiet=True, **opts), engine_factory=fake_engine_factory(max_context), log=lambda s: None
+    )
 
 
 def test_retry_errors_runs_again_only_the_rows_written_with_an_error(tmp_path, fake_model_dir):
@@ -264,8 +282,7 @@ def test_retry_errors_runs_again_only_the_rows_written_with_an_error(tmp_path, f
     assert by_id[11]["completion"] and by_id[13]["completion"]
 
 
-def test_retry_errors_killed_while_dropping_error_rows_loses_and_repeats_nothing(tmp_path, fake_model_dir,
-                                                                                monkeypatch):
+def test_retry_errors_killed_while_dropping_error_rows_loses_and_repeats_nothing(tmp_path, fake_model_dir, monkeypatch):
     import pipeline.outdir as outdir
 
     inp = write_parquet(tmp_path / "in.parquet", id=list(range(8)), prompt=["dddd", "a"] * 4)
@@ -313,8 +330,9 @@ def test_memory_cap_shrinks_slots_and_refuses_below_the_weights(tiny_model):
     from pipeline.memory import footprint, size_runtime
 
     model = mtplx.load(tiny_model)
-    spec = spec_from_dict({"input": {"path": "x"}, "prompt": {"column": "p"}, "output": {"path": "o"},
-                           "batch": {"max_batch": 64}})
+    spec = spec_from_dict(
+        {"input": {"path": "x"}, "prompt": {"column": "p"}, "output": {"path": "o"}, "batch": {"max_batch": 64}}
+    )
     fp = footprint(model, spec)
     roomy = size_runtime(model, spec, 100 * fp.total(64, 512))
     tight = size_runtime(model, spec, fp.total(4, 512) + 1)
@@ -343,13 +361,22 @@ def test_a_signal_while_the_summary_is_written_waits_for_it_then_exits_143(tmp_p
 
 
 def test_an_engine_factory_of_three_arguments_still_runs_a_fixed_depth_job(tmp_path, fake_model_dir):
-    spec = spec_from_dict({"model": {"path": str(tmp_path / "model"), "depth": 2},
-                           "input": {"path": str(write_parquet(tmp_path / "in.parquet", prompt=["ab", "cd"]))},
-                           "prompt": {"column": "prompt"}, "generation": {"max_tokens": 3},
-                           "output": {"path": str(tmp_path / "out")}})
+    spec = spec_from_dict(
+        {
+            "model": {"path": str(tmp_path / "model"), "depth": 2},
+            "input": {"path": str(write_parquet(tmp_path / "in.parquet", prompt=["ab", "cd"]))},
+            "prompt": {"column": "prompt"},
+            "generation": {"max_tokens": 3},
+            "output": {"path": str(tmp_path / "out")},
+        }
+    )
     fake = fake_engine_factory()
-    result = run_job(spec, RunOptions(quiet=True), engine_factory=lambda ref, spec, max_memory: fake(ref, spec, max_memory),
-                     log=lambda s: None)
+    result = run_job(
+        spec,
+        RunOptions(quiet=True),
+        engine_factory=lambda ref, spec, max_memory: fake(ref, spec, max_memory),
+        log=lambda s: None,
+    )
     assert result.exit_code == 0 and result.summary["rows"] == 2
 
 

@@ -37,18 +37,22 @@ def inputs(tmp_path_factory):
     words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
     prompts = [" ".join(words[(i + j) % 8] for j in range(1 + i % 9)) + f" {i}" for i in range(ROWS)]
     prompts[7] = None  # an error row, written by an actor like any other
-    return write_parquet(tmp_path_factory.mktemp("ray_in") / "in.parquet",
-                         id=[f"r{i}" for i in range(ROWS)], prompt=prompts)
+    return write_parquet(
+        tmp_path_factory.mktemp("ray_in") / "in.parquet", id=[f"r{i}" for i in range(ROWS)], prompt=prompts
+    )
 
 
 def job_file(path, model, inp, out, engine="local"):
-    return write_job(path, (
-        f'name = "raytest"\nengine = "{engine}"\n'
-        f'[model]\npath = "{model}"\ndepth = 2\n[input]\npath = "{inp}"\nid_column = "id"\n'
-        f'[prompt]\ncolumn = "prompt"\n[sampling]\ntemperature = 0.9\ntop_p = 0.95\nseed = 5\n'
-        f'[generation]\nmax_tokens = 10\nn = {N}\n[batch]\nmax_batch = 4\n'
-        f'[ray]\nactors = 2\nshard_rows = 4\n[output]\npath = "{out}"\nflush_rows = 3\n'
-    ))
+    return write_job(
+        path,
+        (
+            f'name = "raytest"\nengine = "{engine}"\n'
+            f'[model]\npath = "{model}"\ndepth = 2\n[input]\npath = "{inp}"\nid_column = "id"\n'
+            f'[prompt]\ncolumn = "prompt"\n[sampling]\ntemperature = 0.9\ntop_p = 0.95\nseed = 5\n'
+            f"[generation]\nmax_tokens = 10\nn = {N}\n[batch]\nmax_batch = 4\n"
+            f'[ray]\nactors = 2\nshard_rows = 4\n[output]\npath = "{out}"\nflush_rows = 3\n'
+        ),
+    )
 
 
 def rows_by_key(out):
@@ -90,8 +94,9 @@ def summary_of(out):
 
 
 @pytest.mark.ray
-def test_ray_job_with_two_actors_writes_the_local_engines_rows_and_summary(tmp_path, tiny_model, inputs, reference,
-                                                                            ray_cluster):
+def test_ray_job_with_two_actors_writes_the_local_engines_rows_and_summary(
+    tmp_path, tiny_model, inputs, reference, ray_cluster
+):
     ref_out, ref_rows = reference
     out = tmp_path / "out"
     job = job_file(tmp_path / "job.toml", tiny_model, inputs, out)
@@ -101,8 +106,18 @@ def test_ray_job_with_two_actors_writes_the_local_engines_rows_and_summary(tmp_p
     assert all(p.name.startswith("part-s") for p in out.glob("part-*.parquet"))
     assert pq.read_schema(next(out.glob("part-*.parquet"))) == pq.read_schema(next(ref_out.glob("part-*.parquet")))
     s, ref = summary_of(out), summary_of(ref_out)
-    for k in ("rows", "errors", "finish_reasons", "prompt_tokens", "completion_tokens", "decode_steps",
-              "acceptance_by_depth", "acceptance_rate", "mean_accepted_length", "spec_hash"):
+    for k in (
+        "rows",
+        "errors",
+        "finish_reasons",
+        "prompt_tokens",
+        "completion_tokens",
+        "decode_steps",
+        "acceptance_by_depth",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "spec_hash",
+    ):
         assert s[k] == ref[k], k
     assert s["runtime"]["engine"] == "ray" and s["runtime"]["actors"] == 2
     assert len(s["runtime"]["per_actor"]) == 2
@@ -113,8 +128,9 @@ def test_ray_job_with_two_actors_writes_the_local_engines_rows_and_summary(tmp_p
 
 
 @pytest.mark.ray
-def test_an_actor_killed_mid_job_still_gives_every_row_exactly_once(tmp_path, tiny_model, inputs, reference,
-                                                                     ray_cluster):
+def test_an_actor_killed_mid_job_still_gives_every_row_exactly_once(
+    tmp_path, tiny_model, inputs, reference, ray_cluster
+):
     from pipeline.runner import RunOptions, run_job
 
     ray = ray_cluster
@@ -218,10 +234,13 @@ def test_ray_engine_without_ray_installed_says_how_to_install_it(tmp_path, tiny_
 
 
 def test_importing_the_pipeline_never_imports_ray():
-    code = ("import sys, pipeline, pipeline.cli, pipeline.runner, pipeline.ray_engine, pipeline.ray_worker, "
-            "pipeline.ray_dispatch; assert 'ray' not in sys.modules, 'ray was imported'")
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                       timeout=120)
+    code = (
+        "import sys, pipeline, pipeline.cli, pipeline.runner, pipeline.ray_engine, pipeline.ray_worker, "
+        "pipeline.ray_dispatch; assert 'ray' not in sys.modules, 'ray was imported'"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
 
 
@@ -251,11 +270,14 @@ def test_the_engine_is_scheduling_only_so_a_job_resumes_across_engines(tmp_path,
     assert len(hashes) == 1
 
 
-@pytest.mark.parametrize("engine, ray, message", [
-    ("spark", "actors = 2", "engine must be one of"),
-    ("ray", "actors = 0", "[ray] actors must be an integer"),
-    ("ray", "workers = 2", "unknown key 'workers' in [ray]"),
-])
+@pytest.mark.parametrize(
+    "engine, ray, message",
+    [
+        ("spark", "actors = 2", "engine must be one of"),
+        ("ray", "actors = 0", "[ray] actors must be an integer"),
+        ("ray", "workers = 2", "unknown key 'workers' in [ray]"),
+    ],
+)
 def test_bad_engine_settings_are_bad_jobs(tmp_path, tiny_model, inputs, engine, ray, message):
     text = job_file(tmp_path / "base.toml", tiny_model, inputs, tmp_path / "out", engine=engine).read_text()
     text = text.replace("[ray]\nactors = 2\n", f"[ray]\n{ray}\n")
@@ -306,11 +328,14 @@ def test_ray_actors_sample_at_one_auto_depth_which_a_resume_reuses(tmp_path, tin
 def test_ray_actors_open_no_more_slots_than_the_job_has_samples_left(tmp_path, tiny_model, ray_cluster):
     inp = write_parquet(tmp_path / "in.parquet", id=["a", "b", "c"], prompt=["the cat", "a dog", "one"])
     out = tmp_path / "out"
-    job = write_job(tmp_path / "job.toml", (
-        f'name = "few"\nengine = "ray"\n[model]\npath = "{tiny_model}"\n[input]\npath = "{inp}"\nid_column = "id"\n'
-        f'[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 2\n[batch]\nmax_batch = 16\n'
-        f'[ray]\nactors = 1\n[output]\npath = "{out}"\n'
-    ))
+    job = write_job(
+        tmp_path / "job.toml",
+        (
+            f'name = "few"\nengine = "ray"\n[model]\npath = "{tiny_model}"\n[input]\npath = "{inp}"\nid_column = "id"\n'
+            f'[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 2\n[batch]\nmax_batch = 16\n'
+            f'[ray]\nactors = 1\n[output]\npath = "{out}"\n'
+        ),
+    )
     r = invoke("run", job, "--quiet")
     assert r.exit_code == 0, r.output
     assert [a["max_batch"] for a in summary_of(out)["runtime"]["per_actor"]] == [3]

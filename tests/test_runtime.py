@@ -95,7 +95,9 @@ def test_one_token_prompts_draft_and_decode_exactly(models, family):
 def test_refill_gives_each_prompt_what_it_gets_alone(models):
     model = models["qwen3_5"]
     prompts = _prompts(20, seed=3)
-    alone = [MTPLXRuntime(model, MTPContract(depth=2), max_batch=1).generate([p], max_tokens=10)[0].tokens for p in prompts]
+    alone = [
+        MTPLXRuntime(model, MTPContract(depth=2), max_batch=1).generate([p], max_tokens=10)[0].tokens for p in prompts
+    ]
     batched = MTPLXRuntime(model, MTPContract(depth=2), max_batch=4).generate(prompts, max_tokens=10)
     ties = []
     for p, out, ref in zip(prompts, batched, alone):
@@ -119,7 +121,9 @@ def test_a_slot_freed_alone_is_refilled_from_a_prefill_of_a_whole_batch(models):
     outs = {c.index: c.tokens for c in rt.stream(requests)}
     ties = []
     for r in requests:
-        assert_same_up_to_ties(model, r.prompt, outs[r.index], alone.generate([r.prompt], max_tokens=r.max_tokens)[0].tokens, ties)
+        assert_same_up_to_ties(
+            model, r.prompt, outs[r.index], alone.generate([r.prompt], max_tokens=r.max_tokens)[0].tokens, ties
+        )
 
 
 def test_poisoned_row_errors_and_its_slot_serves_the_next_prompt_exactly(tmp_path):
@@ -129,7 +133,10 @@ def test_poisoned_row_errors_and_its_slot_serves_the_next_prompt_exactly(tmp_pat
     # other row generates or holds: poisoning its embedding then hits row 0 alone.
     for seed in range(5, 50):
         prompts = _prompts(6, seed=seed)
-        refs = [MTPLXRuntime(model, MTPContract(depth=2), max_batch=1).generate([p], max_tokens=12)[0].tokens for p in prompts]
+        refs = [
+            MTPLXRuntime(model, MTPContract(depth=2), max_batch=1).generate([p], max_tokens=12)[0].tokens
+            for p in prompts
+        ]
         others = set(t for r in refs[1:] for t in r) | set(t for p in prompts for t in p)
         candidates = [t for t in refs[0][1:-1] if t not in others]
         if candidates:
@@ -300,7 +307,12 @@ def test_coupled_rule_output_is_independent_of_depth(models):
     prompts = _prompts(5, seed=11)
     sp = SamplingParams(temperature=1.0)
     outs = [
-        [o.tokens for o in MTPLXRuntime(model, MTPContract(depth=k, acceptance="coupled"), max_batch=3).generate(prompts, sampling=sp, max_tokens=10, seed=3)]
+        [
+            o.tokens
+            for o in MTPLXRuntime(model, MTPContract(depth=k, acceptance="coupled"), max_batch=3).generate(
+                prompts, sampling=sp, max_tokens=10, seed=3
+            )
+        ]
         for k in (0, 1, 2, 3)
     ]
     assert outs[0] == outs[1] == outs[2] == outs[3]
@@ -314,7 +326,8 @@ def test_a_tiny_positive_temperature_decodes_as_greedy_at_every_depth(models):
     assert sum(len(o.tokens) for o in greedy) >= 20
     for depth, t in ((0, 1e-40), (2, 1e-40), (2, 1e-46)):  # 1e-46 rounds to 0 in float32
         outs = MTPLXRuntime(model, MTPContract(depth=depth), max_batch=4).generate(
-            prompts, sampling=SamplingParams(temperature=t), max_tokens=10, seed=3)
+            prompts, sampling=SamplingParams(temperature=t), max_tokens=10, seed=3
+        )
         assert [(o.tokens, o.finish_reason) for o in outs] == [(o.tokens, o.finish_reason) for o in greedy], depth
 
 

@@ -169,10 +169,13 @@ def test_stop_strings_prompts_and_depths_from_numpy_and_pyarrow_are_taken_as_bef
     import pyarrow as pa
 
     plain = rt.generate([GOOD, [8, 9]], max_tokens=4, stop=["zz", "yy"])
-    assert [o.tokens for o in rt.generate([GOOD, [8, 9]], max_tokens=4, stop=np.array(["zz", "yy"]))] == \
-        [o.tokens for o in plain]
+    assert [o.tokens for o in rt.generate([GOOD, [8, 9]], max_tokens=4, stop=np.array(["zz", "yy"]))] == [
+        o.tokens for o in plain
+    ]
     ids = pa.table({"ids": [GOOD, [8, 9]]})["ids"]  # a ChunkedArray of list<int64>
-    assert [o.tokens for o in rt.generate(ids, max_tokens=4)] == [o.tokens for o in rt.generate([GOOD, [8, 9]], max_tokens=4)]
+    assert [o.tokens for o in rt.generate(ids, max_tokens=4)] == [
+        o.tokens for o in rt.generate([GOOD, [8, 9]], max_tokens=4)
+    ]
     assert MTPContract(depth=np.int64(2), max_depth_auto=np.int64(3)).max_depth_auto == 3
 
 
@@ -214,8 +217,9 @@ def test_a_seed_that_is_not_a_64_bit_integer_is_refused_not_truncated_into_anoth
 def test_numpy_sampling_values_seeds_and_a_lone_stop_id_are_accepted(rt):
     sp = mtplx.SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), min_p=np.float32(0.0))
     a = rt.generate([GOOD], sampling=sp, max_tokens=4, seed=np.int64(3), stop_token_ids=np.int64(9))
-    b = rt.generate([GOOD], sampling=mtplx.SamplingParams(temperature=0.5, top_p=0.9), max_tokens=4, seed=3,
-                    stop_token_ids=[9])
+    b = rt.generate(
+        [GOOD], sampling=mtplx.SamplingParams(temperature=0.5, top_p=0.9), max_tokens=4, seed=3, stop_token_ids=[9]
+    )
     assert a[0].tokens == b[0].tokens
     with pytest.raises(TypeError, match="stop_token_ids"):
         rt.generate([GOOD], max_tokens=2, stop_token_ids=["a"])
@@ -271,8 +275,9 @@ def test_after_warm_up_a_batch_at_its_settings_builds_no_kernel(tmp_path):
     cache = tmp_path / "kernels"
     cache.mkdir()
     env = {**cli_env(), "TMPDIR": str(cache)}
-    r = subprocess.run([sys.executable, "-c", WARM_UP_THEN_GENERATE, str(path)], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", WARM_UP_THEN_GENERATE, str(path)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr
     built, after = map(int, r.stdout.split())
     assert built > 0 and after == built

@@ -13,7 +13,6 @@ planted 1% TV error and a deliberately broken acceptance rule, so its power
 is proven, not assumed.
 """
 
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -78,9 +77,11 @@ def samples(model):
 
 def _tables(toks, exact):
     V = exact.shape[0]
+
     def counts(cols, shape):
         flat = np.ravel_multi_index(tuple(toks[:, c] for c in cols), shape)
         return np.bincount(flat, minlength=int(np.prod(shape))).astype(np.float64)
+
     return {
         "t0,t1": (counts([0, 1], (V, V)), exact.sum(axis=2).ravel()),
         "t1,t2": (counts([1, 2], (V, V)), exact.sum(axis=0).ravel()),

@@ -303,8 +303,12 @@ def decode_speculative(P, Q, k, n, seed, hashes, length, rule):
         q = np.stack(qs, 1) if k else np.zeros((len(live), 0, vocab), dtype=np.float32)
         num_valid = np.minimum(k, length - 1 - s).astype(np.int32)
         a, nxt = speculative_accept(
-            mx.array(d.astype(np.int32)), mx.array(q), mx.array(np.stack(ps, 1)), keys,
-            num_valid=mx.array(num_valid), rule=rule,
+            mx.array(d.astype(np.int32)),
+            mx.array(q),
+            mx.array(np.stack(ps, 1)),
+            keys,
+            num_valid=mx.array(num_valid),
+            rule=rule,
         )
         a, nxt = np.array(a), np.array(nxt)
         accepted_seen.append(a)
@@ -537,8 +541,9 @@ def test_row_hash_is_a_stable_type_tagged_64_bit_hash():
 
 
 def test_position_keys_are_fixed_integer_values():
-    keys = position_keys(2024, [row_hash("row-a"), row_hash(17)], [0, 3],
-                         mx.array([[0, 1, 2], [7, 8, 9]], dtype=mx.int32))
+    keys = position_keys(
+        2024, [row_hash("row-a"), row_hash(17)], [0, 3], mx.array([[0, 1, 2], [7, 8, 9]], dtype=mx.int32)
+    )
     assert keys.dtype == mx.uint32 and keys.shape == (2, 3, 2)
     assert np.array(keys).tolist() == [
         [[2798762394, 1296064122], [3089009394, 2333053041], [2190453902, 3406155987]],
@@ -565,13 +570,16 @@ def test_keys_and_draws_are_identical_in_a_fresh_process():
         " np.array(gumbel_from_keys(purpose_keys(k, Purpose.GUMBEL), 4)).tolist()]))\n"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                            timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
     other = json.loads(result.stdout)
     k = position_keys(5, [row_hash("a"), row_hash(("b", 2))], [0, 1], mx.array([[0, 1], [2, 3]], dtype=mx.int32))
-    mine = [np.array(k).tolist(),
-            np.array(uniform_from_keys(purpose_keys(k, Purpose.ACCEPT))).tolist(),
-            np.array(gumbel_from_keys(purpose_keys(k, Purpose.GUMBEL), 4)).tolist()]
+    mine = [
+        np.array(k).tolist(),
+        np.array(uniform_from_keys(purpose_keys(k, Purpose.ACCEPT))).tolist(),
+        np.array(gumbel_from_keys(purpose_keys(k, Purpose.GUMBEL), 4)).tolist(),
+    ]
     assert other == mine
 
 

@@ -45,6 +45,7 @@ def test_each_stage_is_started_before_the_next_is_built(model, monkeypatch):
         def call(inputs, caches, T, shared=None):
             events.append(f"build {i}")
             return stage(inputs, caches, T, shared)
+
         return call
 
     run.stages = [(layers, recording(i, stage)) for i, (layers, stage) in enumerate(run.stages)]
@@ -61,7 +62,9 @@ def test_the_runtime_stages_its_trunk_pass_a_layer_at_a_time_on_the_cpu(model):
     if mx.default_device() != mx.cpu:
         pytest.skip("on a GPU the pass stays one graph")
     rt = MTPLXRuntime(model, MTPContract(depth=1), max_batch=2)
-    assert [s.stop - s.start for s, _ in rt._verify.stages] == [1] * len(model.layer_kinds)  # one layer a stage on the CPU
+    assert [s.stop - s.start for s, _ in rt._verify.stages] == [1] * len(
+        model.layer_kinds
+    )  # one layer a stage on the CPU
 
 
 def test_attention_layers_holding_one_lengths_array_make_their_mask_and_write_index_once_per_pass(model, monkeypatch):
@@ -147,7 +150,9 @@ def test_gated_delta_q_and_k_normalised_side_by_side_are_mlx_lms_normalize_qk_bi
     conv_out = mx.array(np.random.default_rng(6).normal(0, 3, (3, 5, 2 * Hk * Dk + Hv * Dv)).astype(np.float32))
     conv_out = conv_out.astype(dtype)
     q, k, v = split_qkv(gdn, conv_out)
-    q_in, k_in, v_in = (t.reshape(3, 5, -1, d) for t, d in zip(mx.split(conv_out, [Hk * Dk, 2 * Hk * Dk], -1), (Dk, Dk, Dv)))
+    q_in, k_in, v_in = (
+        t.reshape(3, 5, -1, d) for t, d in zip(mx.split(conv_out, [Hk * Dk, 2 * Hk * Dk], -1), (Dk, Dk, Dv))
+    )
     q_ref, k_ref = normalize_qk(q_in, k_in, inv_scale=Dk**-0.5, eps=1e-6)
     assert q.dtype == dtype and q.shape == (3, 5, Hk, Dk) and v.shape == (3, 5, Hv, Dv)
     assert mx.array_equal(q, q_ref).item() and mx.array_equal(k, k_ref).item() and mx.array_equal(v, v_in).item()

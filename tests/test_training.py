@@ -40,7 +40,9 @@ def test_chunked_gated_delta_equals_mlx_lm_recurrence(length, chunk):
 
     mx.random.seed(1)
     B, Hk, Hv, D = 2, 1, 2, 16
-    q, k = normalize_qk(mx.random.normal((B, length, Hk, D)), mx.random.normal((B, length, Hk, D)), inv_scale=D**-0.5, eps=1e-6)
+    q, k = normalize_qk(
+        mx.random.normal((B, length, Hk, D)), mx.random.normal((B, length, Hk, D)), inv_scale=D**-0.5, eps=1e-6
+    )
     v = mx.random.normal((B, length, Hv, D))
     a, b = mx.random.normal((B, length, Hv)), mx.random.normal((B, length, Hv))
     A_log, dt_bias = mx.log(mx.random.uniform(0.5, 8, (Hv,))), mx.ones((Hv,))
@@ -148,7 +150,11 @@ def test_exported_checkpoint_computes_what_the_trained_model_computes(tmp_path):
     mx.random.seed(0)
     model = TinyMTP(release_config(TINY))
     # Norms away from 1, so a missing or extra zero-centre shift shows.
-    noisy = [(k, 1.0 + 0.3 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters()) if k.endswith("norm.weight")]
+    noisy = [
+        (k, 1.0 + 0.3 * mx.random.normal(v.shape))
+        for k, v in tree_flatten(model.parameters())
+        if k.endswith("norm.weight")
+    ]
     model.load_weights(noisy, strict=False)
     export_checkpoint(model, release_config(TINY), tmp_path)
     write_char_tokenizer(tmp_path, 64)

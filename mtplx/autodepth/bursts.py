@@ -36,8 +36,9 @@ BURST = 4  # cycles per burst; a burst's first cycle is not timed (below)
 REPEATS = 2  # bursts of each depth per round
 
 
-def play(runtime: BatchRuntime, prompts: List[List[int]], depths: Sequence[int],
-         sampling: SamplingParams) -> List[float]:
+def play(
+    runtime: BatchRuntime, prompts: List[List[int]], depths: Sequence[int], sampling: SamplingParams
+) -> List[float]:
     """Decode `prompts` through the cycles `depths` on a runtime built for the
     deepest of them, whatever its rows sample (calibration throws their
     tokens away): the time from each cycle's launch to the next (one fewer
@@ -52,8 +53,9 @@ def play(runtime: BatchRuntime, prompts: List[List[int]], depths: Sequence[int],
     return list(np.diff(list(runtime.launch_started)))
 
 
-def burst_sequence(depths: Sequence[int], burst: int = BURST, repeats: int = REPEATS,
-                   reverse: bool = False) -> List[int]:
+def burst_sequence(
+    depths: Sequence[int], burst: int = BURST, repeats: int = REPEATS, reverse: bool = False
+) -> List[int]:
     """Plain bursts around a burst of every other depth, `repeats` times
     (0 1 0 2 0 3 0 1 0 2 0 3 0, each `burst` cycles long; deepest first when
     `reverse`, so that no depth always comes late in a round)."""

@@ -103,6 +103,7 @@ def measure_cycle_costs(
     repeats = repeats or bursts.REPEATS
     sampling = SamplingParams(temperature=temperature)
     if model.max_context is not None:  # prompt + every token the cycles may add must fit the context
+
         def needed():
             return tokens_bound(burst_sequence(depths, burst, repeats))
 
@@ -137,22 +138,35 @@ def measure_cycle_costs(
     return CycleCosts(batch_size, _anchored_to(times))
 
 
-
 def _timed_every_depth(costs: CycleCosts, K: int) -> bool:
     return all(math.isfinite(costs.cycle_s(k)) for k in range(K + 1))
 
 
 def _job_depth(costs, sampled_acceptance: Sequence[float], K: int, max_batch: int) -> int:
     one_row = max_batch == 1
-    return best_depth(costs, sampled_acceptance, K, margin=SPECULATION_MARGIN,
-                      tolerance=SINGLE_ROW_JOB_TIE if one_row else DEPTH_TOLERANCE, deepest=one_row)
+    return best_depth(
+        costs,
+        sampled_acceptance,
+        K,
+        margin=SPECULATION_MARGIN,
+        tolerance=SINGLE_ROW_JOB_TIE if one_row else DEPTH_TOLERANCE,
+        deepest=one_row,
+    )
 
 
 def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     """Calibrate on this machine at this batch size and plan the job's depths."""
     if model.head is None:
-        return AutoDepth(0, 0, None, {"depth": 0, "reason": "no MTP head",
-                                      "policy": "plain decoding: this checkpoint has no MTP head to draft with"})
+        return AutoDepth(
+            0,
+            0,
+            None,
+            {
+                "depth": 0,
+                "reason": "no MTP head",
+                "policy": "plain decoding: this checkpoint has no MTP head to draft with",
+            },
+        )
     K = contract.max_depth_auto
     acceptance = acceptance_prior(model, K)  # greedy: what the per-cycle controller starts from
     sampled = acceptance_prior(model, K, sampled=True)  # what the job depth (sampled rows) is chosen for
@@ -160,24 +174,53 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     # short decodes, how much a whole cycle costs beyond them.
     sampler = BareCostSampler(model, max_batch, depths=range(1, K + 1), context=64, compiled=contract.compile)
     sampler.sample(BARE_ROUNDS_FIRST)
-    costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile, bare=sampler,
-                                bare_rounds_between=BARE_ROUNDS_BETWEEN)
+    costs = measure_cycle_costs(
+        model,
+        max_batch,
+        depths=range(K + 1),
+        compiled=contract.compile,
+        bare=sampler,
+        bare_rounds_between=BARE_ROUNDS_BETWEEN,
+    )
     bare = sampler.costs()
     if not _timed_every_depth(costs, K):
         if contract.sampled_depth:  # a resumed job's depth still holds; every cycle runs at it
             k = contract.sampled_depth
-            return AutoDepth(k, k, None, {"depth": k, "depth_from": "given (the job's first run)",
-                                          "reason": "calibration timed no decode cycle",
-                                          "policy": f"depth {k} in every cycle: calibration could not time a cycle"})
-        return AutoDepth(0, 0, None, {"depth": 0, "reason": "calibration timed no decode cycle",
-                                      "policy": "plain decoding: calibration could not time a decode cycle"})
+            return AutoDepth(
+                k,
+                k,
+                None,
+                {
+                    "depth": k,
+                    "depth_from": "given (the job's first run)",
+                    "reason": "calibration timed no decode cycle",
+                    "policy": f"depth {k} in every cycle: calibration could not time a cycle",
+                },
+            )
+        return AutoDepth(
+            0,
+            0,
+            None,
+            {
+                "depth": 0,
+                "reason": "calibration timed no decode cycle",
+                "policy": "plain decoding: calibration could not time a decode cycle",
+            },
+        )
     job = contract.sampled_depth  # a resumed job's: its sampled rows draw as its first run's did
     sampled_costs = None
     if job is None:
         job = _job_depth(costs, sampled, K, max_batch)
         if job > 0:  # greedy cycles price the draws at nothing: decide on sampled cycles
-            sampled_costs = measure_cycle_costs(model, max_batch, depths=range(K + 1), compiled=contract.compile,
-                                                bare=bare, temperature=1.0, rounds=SAMPLED_CALIBRATION_ROUNDS)
+            sampled_costs = measure_cycle_costs(
+                model,
+                max_batch,
+                depths=range(K + 1),
+                compiled=contract.compile,
+                bare=bare,
+                temperature=1.0,
+                rounds=SAMPLED_CALIBRATION_ROUNDS,
+            )
             if _timed_every_depth(sampled_costs, K):
                 job = _job_depth(sampled_costs, sampled, K, max_batch)
             else:
@@ -209,8 +252,9 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
         "bare_costs": bare.as_dict(),
         "cycle_costs": costs.as_dict(),
         "predicted_speedup": {str(d): predicted_speedup(costs, acceptance, d) for d in range(K + 1)},
-        "predicted_speedup_sampled": {str(d): predicted_speedup(sampled_costs or costs, sampled, d)
-                                      for d in range(K + 1)},
+        "predicted_speedup_sampled": {
+            str(d): predicted_speedup(sampled_costs or costs, sampled, d) for d in range(K + 1)
+        },
     }
     if sampled_costs is not None:
         record["cycle_costs_sampled"] = sampled_costs.as_dict()
@@ -222,4 +266,6 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
         f"otherwise (greedy rows, or the coupled rule) 0..{K} per cycle from the running acceptance, "
         f"starting {'at depth ' + str(start) if start else 'with speculation off'}"
     )
-    return AutoDepth(job, K, DepthController(costs, acceptance, K, start_off=start == 0, one_row=max_batch == 1), record)
+    return AutoDepth(
+        job, K, DepthController(costs, acceptance, K, start_off=start == 0, one_row=max_batch == 1), record
+    )

@@ -169,6 +169,7 @@ def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: b
     def verify_pass(T):
         run = trunk_pass(model, keep_pending=T > 1, compiled=compiled)
         keep = mx.ones((B,), dtype=mx.int32)
+
         def verify():
             threads.for_rows(B * T)  # as the runtime's cycle of this width runs it
             out = run((tokens[:, :T],), caches, T=T)
@@ -183,6 +184,7 @@ def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: b
         hidden = mx.zeros((B, 1, _hidden_size(model)), dtype=mx.float32)
         head_cache = _warm_head(model, B, context)[:1]
         run = SlotPass(head_layer(model.head, 0), keep_pending=False, compiled=compiled)
+
         # One cost for every depth: timed at the count of a depth-1 cycle (2B rows).
         def head():
             threads.for_rows(2 * B)

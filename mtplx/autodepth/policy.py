@@ -213,8 +213,14 @@ def fastest_depth(scores: dict, tolerance: float = DEPTH_TOLERANCE, deepest: boo
     return max(within) if deepest else min(within)
 
 
-def best_depth(costs, acceptance: Sequence[float], max_depth: int, margin: float = 1.0,
-               tolerance: float = DEPTH_TOLERANCE, deepest: bool = False) -> int:
+def best_depth(
+    costs,
+    acceptance: Sequence[float],
+    max_depth: int,
+    margin: float = 1.0,
+    tolerance: float = DEPTH_TOLERANCE,
+    deepest: bool = False,
+) -> int:
     """The shallowest (or `deepest`) depth predicted within `tolerance` of the
     best speed-up; 0 unless one beats `margin`."""
     depths = [k for k in range(1, max_depth + 1) if k in costs.verify_s and k <= len(acceptance)]
@@ -282,10 +288,19 @@ class DepthController:
     all where the gain is 5-15%.
     """
 
-    def __init__(self, costs: CycleCosts, prior: Sequence[float], max_depth: int,
-                 half_life_rows: float = 256.0, prior_weight: float = 32.0,
-                 min_rows: int = 256, retry_rows: int = 1024, probe_rows: int = 64,
-                 start_off: bool = False, one_row: bool = False):
+    def __init__(
+        self,
+        costs: CycleCosts,
+        prior: Sequence[float],
+        max_depth: int,
+        half_life_rows: float = 256.0,
+        prior_weight: float = 32.0,
+        min_rows: int = 256,
+        retry_rows: int = 1024,
+        probe_rows: int = 64,
+        start_off: bool = False,
+        one_row: bool = False,
+    ):
         self.costs = costs
         # One row: the deepest depth within a near tie, as for a one-row job depth (SINGLE_ROW_JOB_TIE).
         self.tie = SINGLE_ROW_JOB_TIE if one_row else DEPTH_TOLERANCE
@@ -390,12 +405,20 @@ class DepthController:
         pays = max(scores.values()) >= SPECULATION_MARGIN
         keeps = pays if self.probing else max(scores.values()) >= KEEP_SPECULATING_ABOVE
         hopeless = not self.off and self._hopeless(costs)
-        going_off = not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows)
+        going_off = (
+            not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows)
+        )
         going_off = going_off or hopeless
         # Timed, it first measures plain decoding beside the depth it runs:
         # that comparison decides whether speculation pays.
-        measure_plain = going_off and not hopeless and self.timed and self.explore_every > 0 and not self.probing and (
-            self.timing.pair_count(0, best) < self.timing.min_pairs and self._plain_bursts < MEASURE_PLAIN_BURSTS)
+        measure_plain = (
+            going_off
+            and not hopeless
+            and self.timed
+            and self.explore_every > 0
+            and not self.probing
+            and (self.timing.pair_count(0, best) < self.timing.min_pairs and self._plain_bursts < MEASURE_PLAIN_BURSTS)
+        )
         if not going_off:
             self._plain_bursts = 0
         if self.off:  # here only when a probe is due (see the top)
@@ -420,8 +443,9 @@ class DepthController:
         self._fade()
         best_case = wilson_upper(self.passed[0], self.reached[0], HOPELESS_Z)
         optimistic = [best_case] * self.max_depth  # every draft as likely as d_1
-        return all(predicted_speedup(costs, optimistic, k) < KEEP_SPECULATING_ABOVE
-                   for k in range(1, self.max_depth + 1))
+        return all(
+            predicted_speedup(costs, optimistic, k) < KEEP_SPECULATING_ABOVE for k in range(1, self.max_depth + 1)
+        )
 
     def _maybe_explore(self, best: int, measure_plain: bool) -> int:
         """`best`, or the first cycle of a burst at a neighbouring depth when

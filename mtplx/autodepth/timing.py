@@ -47,8 +47,13 @@ MIN_PAIRS = 4
 class CycleTimes:
     """Cycle times by depth from the runtime's launches -> corrected costs."""
 
-    def __init__(self, calibrated: CycleCosts, pair_samples: int = PAIR_SAMPLES,
-                 window: int = PAIR_WINDOW, min_pairs: int = MIN_PAIRS):
+    def __init__(
+        self,
+        calibrated: CycleCosts,
+        pair_samples: int = PAIR_SAMPLES,
+        window: int = PAIR_WINDOW,
+        min_pairs: int = MIN_PAIRS,
+    ):
         self.calibrated = calibrated
         self.pair_samples, self.window, self.min_pairs = pair_samples, window, min_pairs
         self.pairs: Dict[Tuple[int, int], deque] = {}  # (lo, hi) -> log(hi/lo) over calibrated

@@ -26,13 +26,25 @@ import mlx.core as mx
 from mtplx.backends.cpu import activations, blas_threads, conv, experts, gemm_layout
 from mtplx.backends.cpu.rope_angles import RopeSpec, rope_angles
 
-__all__ = ["forms", "on_cpu", "prepare_model", "prepare_loaded", "probabilities_exp", "causal_conv",
-           "chunked_prefill", "pass_stages", "CycleThreads", "blas_info", "RopeSpec", "rope_angles"]
+__all__ = [
+    "forms",
+    "on_cpu",
+    "prepare_model",
+    "prepare_loaded",
+    "probabilities_exp",
+    "causal_conv",
+    "chunked_prefill",
+    "pass_stages",
+    "CycleThreads",
+    "blas_info",
+    "RopeSpec",
+    "rope_angles",
+]
 
 CPU_FORMS = {
     "linear": "cpu.gemm_layout: float32 weights stored [in, out] for BLAS's NN GEMM",
     "activations": "cpu.activations: exp as a polynomial (prompts) or a power of two (decode); "
-                   "prompt attention in blocks of query rows",
+    "prompt attention in blocks of query rows",
     "rope": "cpu.rope_angles: one cos and sin per pass for every attention layer",
     "pass_stages": "one trunk layer per staged graph",
     "experts": "cpu.experts: half-precision experts computed in float32",

@@ -158,7 +158,8 @@ def _describe(h: dict) -> List[str]:
         f"clipped to {p.get('max_prompt_tokens') or 'no'} tokens; max_tokens {h['max_tokens']}; "
         f"repeats {s['repeats']}{_rounds(s)}; seed {s['seed']}",
         f"machine: {m['processor']}, {m['cpu_count']} CPUs, {m['platform']}",
-        "versions: " + ", ".join(f"{k} {val}" for k, val in v.items())
+        "versions: "
+        + ", ".join(f"{k} {val}" for k, val in v.items())
         + f"; BLAS: {h['blas']['name']}{_thread_timeout(h['blas'])}; malloc: {h.get('allocator', '-')}",
         "",
     ]
@@ -173,12 +174,21 @@ def _cost_lines(rows: Sequence[dict]) -> List[str]:
         return []
     ks = sorted({int(k) for c in seen.values() for k in c["verify_s"]})
     lines = ["bare costs (ms): one-token step, verify over k+1 tokens, one head pass"]
-    lines.append("  ".join(["B".rjust(4), "context".rjust(7), "step".rjust(7)] + [f"verify{k}".rjust(8) for k in ks] + ["head".rjust(7)]))
+    lines.append(
+        "  ".join(
+            ["B".rjust(4), "context".rjust(7), "step".rjust(7)]
+            + [f"verify{k}".rjust(8) for k in ks]
+            + ["head".rjust(7)]
+        )
+    )
     for B, c in sorted(seen.items()):
         verify = [_num(_ms(c["verify_s"].get(str(k))), ".2f").rjust(8) for k in ks]
         lines.append(
-            "  ".join([str(B).rjust(4), str(c["context"]).rjust(7), _num(_ms(c["step_s"]), ".2f").rjust(7)] + verify
-                      + [_num(_ms(c["head_s"]), ".2f").rjust(7)])
+            "  ".join(
+                [str(B).rjust(4), str(c["context"]).rjust(7), _num(_ms(c["step_s"]), ".2f").rjust(7)]
+                + verify
+                + [_num(_ms(c["head_s"]), ".2f").rjust(7)]
+            )
         )
     return lines
 

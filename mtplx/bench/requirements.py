@@ -108,8 +108,12 @@ def decode_over_predicted(r: dict) -> Optional[Tuple[float, Optional[List[float]
 
 def _auto_cells(mtplx: Sequence[dict]) -> List[Cell]:
     return [
-        Cell(f"{_setting(r)} (against depth {r['best_fixed_depth']})", r["auto_vs_best"], r.get("auto_vs_best_ci"),
-             AUTO_VS_BEST)
+        Cell(
+            f"{_setting(r)} (against depth {r['best_fixed_depth']})",
+            r["auto_vs_best"],
+            r.get("auto_vs_best_ci"),
+            AUTO_VS_BEST,
+        )
         for r in mtplx
         if r["depth"] == "auto" and r.get("auto_vs_best") is not None
     ]

@@ -87,8 +87,13 @@ DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
 # ends raggedly once). At batch 1 there is no ragged end, and at 16 a run of
 # 16 prompts already takes 1-2.5 s.
 QUICK = dict(
-    batch_sizes=(1, 4, 16), depths=(0, 1, 2, 3, "auto"), temperatures=(0.0, 1.0),
-    max_tokens=64, repeats=5, max_prompt_tokens=128, num_prompts={1: 1, 4: 32, 16: 16},
+    batch_sizes=(1, 4, 16),
+    depths=(0, 1, 2, 3, "auto"),
+    temperatures=(0.0, 1.0),
+    max_tokens=64,
+    repeats=5,
+    max_prompt_tokens=128,
+    num_prompts={1: 1, 4: 32, 16: 16},
 )
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
 SHORT_RUN_PROMPTS = 8  # runs of fewer prompts get proportionally more rounds (BenchPlan.rounds)
@@ -108,14 +113,14 @@ REPO_PROMPTS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "prompts.
 
 # Used when jobs/data/prompts.parquet is absent (an installed wheel) or pyarrow is.
 BUILTIN_PROMPTS = (
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "def is_prime(n):\n    \"\"\"True when n is a prime number.\"\"\"\n",
-    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
-    "def read_lines(path):\n    \"\"\"Return the lines of the file at path, without newlines.\"\"\"\n",
-    "def flatten(items):\n    \"\"\"Flatten a list of lists into one list.\"\"\"\n",
-    "import os\n\n\ndef walk_files(root):\n    \"\"\"Yield every file path under root.\"\"\"\n",
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
-    "def word_counts(text):\n    \"\"\"Map each word of text to how often it occurs.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'def is_prime(n):\n    """True when n is a prime number."""\n',
+    'class Stack:\n    """A last-in first-out stack."""\n\n    def __init__(self):\n',
+    'def read_lines(path):\n    """Return the lines of the file at path, without newlines."""\n',
+    'def flatten(items):\n    """Flatten a list of lists into one list."""\n',
+    'import os\n\n\ndef walk_files(root):\n    """Yield every file path under root."""\n',
+    'def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n',
+    'def word_counts(text):\n    """Map each word of text to how often it occurs."""\n',
 )
 
 
@@ -231,8 +236,14 @@ def run_bench(
     from mtplx.assets import default_model_path
 
     plan = BenchPlan(
-        tuple(int(b) for b in batch_sizes), tuple(depths), tuple(float(t) for t in temperatures),
-        int(max_tokens), num_prompts, int(repeats), int(seed), max_prompt_tokens,
+        tuple(int(b) for b in batch_sizes),
+        tuple(depths),
+        tuple(float(t) for t in temperatures),
+        int(max_tokens),
+        num_prompts,
+        int(repeats),
+        int(seed),
+        max_prompt_tokens,
     )
     log = _progress_printer(progress)
     asked = plan.depths
@@ -273,8 +284,10 @@ def _depths_the_model_can_run(plan: BenchPlan, model, path: Path) -> BenchPlan:
         return plan
     kept = tuple(d for d in plan.depths if d in (0, "auto"))
     if not kept:
-        raise ValueError(f"{path}: this checkpoint has no MTP head, so it can only be benchmarked at depth 0 "
-                         "(plain decoding): pass --depths 0")
+        raise ValueError(
+            f"{path}: this checkpoint has no MTP head, so it can only be benchmarked at depth 0 "
+            "(plain decoding): pass --depths 0"
+        )
     _notice(f"{path}: no MTP head: depths {', '.join(map(str, drafting))} left out (plain decoding only)")
     return replace(plan, depths=kept)
 
@@ -297,7 +310,9 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     # Built once per batch size: "auto" calibrates (times its own cycles) when built.
     runtimes = {d: MTPLXRuntime(model, MTPContract(depth=d), max_batch=B) for d in plan.depths}
     between = partial(bare.sample, BARE_COST_ROUNDS_BETWEEN)
-    rounds = {t: run_rounds(reference, runtimes, batches, B, t, plan, between_rounds=between) for t in plan.temperatures}
+    rounds = {
+        t: run_rounds(reference, runtimes, batches, B, t, plan, between_rounds=between) for t in plan.temperatures
+    }
     costs = bare.costs()  # over every round of this batch size, so the runs' slow spells too
     records = []
     for t, (base_runs, pairs) in rounds.items():
@@ -322,8 +337,15 @@ def decode_context(batches: Sequence[List[List[int]]], batch_size: int, max_toke
     return round(statistics.mean(max(len(p) for p in group) for group in groups) + max_tokens / 2)
 
 
-def run_rounds(reference, runtimes: Dict[Depth, object], batches: Sequence[List[List[int]]], B: int, t: float,
-               plan: BenchPlan, between_rounds: Callable[[], None] = lambda: None):
+def run_rounds(
+    reference,
+    runtimes: Dict[Depth, object],
+    batches: Sequence[List[List[int]]],
+    B: int,
+    t: float,
+    plan: BenchPlan,
+    between_rounds: Callable[[], None] = lambda: None,
+):
     """The baseline and every depth at one (batch size, temperature), round r
     on batches[r], after a warm-up on the first:
     (baseline runs, {depth: [(its round's baseline run, run)]})."""
@@ -381,8 +403,16 @@ def balanced_orders(n: int) -> List[List[int]]:
     return [order for row in square for order in (row, row[::-1])]
 
 
-def setting_records(runtimes: Dict[Depth, object], B: int, t: float, base_runs: List[Run],
-                    pairs: Dict[Depth, List[Tuple[Run, Run]]], costs, plan: BenchPlan, log) -> List[dict]:
+def setting_records(
+    runtimes: Dict[Depth, object],
+    B: int,
+    t: float,
+    base_runs: List[Run],
+    pairs: Dict[Depth, List[Tuple[Run, Run]]],
+    costs,
+    plan: BenchPlan,
+    log,
+) -> List[dict]:
     """The baseline's record, then each depth's."""
     records = []
     for d, rt in runtimes.items():
@@ -402,7 +432,9 @@ def setting_records(runtimes: Dict[Depth, object], B: int, t: float, base_runs: 
 # ------------------------------------------------------------------ runs
 
 
-def run_baseline(model, prompts: List[List[int]], max_tokens: int, temperature: float, seed: int, batch_size: int) -> Run:
+def run_baseline(
+    model, prompts: List[List[int]], max_tokens: int, temperature: float, seed: int, batch_size: int
+) -> Run:
     """`mlx_lm.batch_generate` on the trunk of `model`, decoding `batch_size` rows at a time."""
     import mlx.core as mx
     from mlx_lm.generate import batch_generate
@@ -470,8 +502,11 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
     # 1.18-1.76 in 40 rounds at depth 3, so a round's speed-up is only
     # comparable with its own prediction (`add_measured_speedups`).
     run_predicted = [
-        predicted_from_ideal(costs, acceptance_summary(e.completions, rt.depth)["ideal_tokens_per_cycle"],
-                             _depth_mix(e.cycles_by_depth, rt.depth))
+        predicted_from_ideal(
+            costs,
+            acceptance_summary(e.completions, rt.depth)["ideal_tokens_per_cycle"],
+            _depth_mix(e.cycles_by_depth, rt.depth),
+        )
         for e in engine_runs
     ]
     rec = {
@@ -562,7 +597,10 @@ def add_measured_speedups(records: List[dict]) -> None:
     if plain is None:
         return
     for r in records:
-        for field_, runs in (("measured_speedup", "run_tokens_per_s"), ("measured_decode_speedup", "run_decode_tokens_per_s")):
+        for field_, runs in (
+            ("measured_speedup", "run_tokens_per_s"),
+            ("measured_decode_speedup", "run_decode_tokens_per_s"),
+        ):
             ratios = paired_ratios(list(zip(plain[runs], r[runs])))
             r[field_] = _median_or_none(ratios)
             r[field_ + "_ci"] = median_interval(ratios)
@@ -613,9 +651,9 @@ def _cross_fitted_auto_ratios(auto: dict, fixed: List[dict]) -> Optional[List[fl
     for parity in (0, 1):
         others = [i for i in range(rounds) if i % 2 != parity]
         best = max(fixed, key=lambda r: statistics.median(r["paired_ratios"][i] for i in others))
-        ratios += paired_ratios([
-            (best["run_tokens_per_s"][i], auto["run_tokens_per_s"][i]) for i in range(rounds) if i % 2 == parity
-        ])
+        ratios += paired_ratios(
+            [(best["run_tokens_per_s"][i], auto["run_tokens_per_s"][i]) for i in range(rounds) if i % 2 == parity]
+        )
     return ratios
 
 
@@ -853,7 +891,9 @@ def default_prompts() -> Tuple[List[str], str]:
     return list(BUILTIN_PROMPTS), "built-in"
 
 
-def encode_prompts(tokenizer, prompts: Sequence[Union[str, Sequence[int]]], max_tokens: Optional[int] = None) -> List[List[int]]:
+def encode_prompts(
+    tokenizer, prompts: Sequence[Union[str, Sequence[int]]], max_tokens: Optional[int] = None
+) -> List[List[int]]:
     """Token lists; clipped to their last `max_tokens` tokens, the context
     the completion continues from."""
     pool = [tokenizer.encode(p) if isinstance(p, str) else [int(x) for x in p] for p in prompts]
@@ -897,9 +937,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--depths", type=_depths, default=None, help="e.g. 0,1,2,3,auto")
     p.add_argument("--temperatures", type=_floats, default=None, help="e.g. 0,1")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--prompts", type=_ints, default=None, dest="num_prompts",
-                   help="prompts per run: one count for every batch size, or one per batch size, e.g. 1,16,16 "
-                        "(default: the batch size, one full batch; more stream through the batch's slots)")
+    p.add_argument(
+        "--prompts",
+        type=_ints,
+        default=None,
+        dest="num_prompts",
+        help="prompts per run: one count for every batch size, or one per batch size, e.g. 1,16,16 "
+        "(default: the batch size, one full batch; more stream through the batch's slots)",
+    )
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep each prompt's last N tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -925,8 +970,10 @@ def prompts_by_batch_size(counts: Sequence[int], batch_sizes: Sequence[int]) -> 
     if len(counts) == 1:
         return counts[0]
     if len(counts) != len(batch_sizes):
-        raise ValueError(f"--prompts has {len(counts)} counts for {len(batch_sizes)} batch sizes {tuple(batch_sizes)}: "
-                         "give one for all, or one per batch size")
+        raise ValueError(
+            f"--prompts has {len(counts)} counts for {len(batch_sizes)} batch sizes {tuple(batch_sizes)}: "
+            "give one for all, or one per batch size"
+        )
     return dict(zip(batch_sizes, counts))
 
 

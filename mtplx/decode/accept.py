@@ -74,8 +74,9 @@ def decide(
 
 
 @lru_cache(maxsize=None)
-def _decide_fn(greedy: bool, any_filter: bool, any_greedy: bool, rule: str, logprobs: bool, has_q: bool,
-               compiled: bool):
+def _decide_fn(
+    greedy: bool, any_filter: bool, any_greedy: bool, rule: str, logprobs: bool, has_q: bool, compiled: bool
+):
     def run(logits, drafts, num_valid, active, *sampled):
         k = drafts.shape[1]
         bad_pos = mx.any(~mx.isfinite(logits), axis=-1)  # [B, k+1]
@@ -107,8 +108,15 @@ def _decide_fn(greedy: bool, any_filter: bool, any_greedy: bool, rule: str, logp
     return mx.compile(run) if compiled else run
 
 
-def choose_draft(logits: mx.array, draws: Optional[mx.array], sampled: tuple, greedy: bool, any_filter: bool,
-                 any_greedy: bool, rule: str):
+def choose_draft(
+    logits: mx.array,
+    draws: Optional[mx.array],
+    sampled: tuple,
+    greedy: bool,
+    any_filter: bool,
+    any_greedy: bool,
+    rule: str,
+):
     """The drafter's token at one depth: head logits [B, V], the drafted
     position's `cycle_draws` [B, 1, ...] and `sampling_arrays` (unused when
     every row is greedy) -> d [B, 1] and q [B, 1, V] (None when greedy). A head gone

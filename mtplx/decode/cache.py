@@ -160,12 +160,8 @@ class SlotKVCache:
         # (Outside a shared pass the mask made beside the index is never
         # evaluated: nothing reads it.)
         idx = (self.positions or pass_positions(self.lengths, T, self.host_max + T)).write_index  # [B, 1, T, 1]
-        self.keys = mx.put_along_axis(
-            self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2
-        )
-        self.values = mx.put_along_axis(
-            self.values, mx.broadcast_to(idx, values.shape), values, axis=2
-        )
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
         self.lengths = self.lengths + T
         self.host_max += T
         return self.keys[:, :, : self.host_max], self.values[:, :, : self.host_max]
@@ -332,7 +328,4 @@ _kept_states_compiled = mx.compile(_kept_states)
 
 def make_slot_caches(layer_kinds: List[str], batch_size: int) -> list:
     """One slot cache per trunk layer: 'attn' -> KV, 'linear' -> gated delta."""
-    return [
-        SlotGDNCache(batch_size) if kind == "linear" else SlotKVCache(batch_size)
-        for kind in layer_kinds
-    ]
+    return [SlotGDNCache(batch_size) if kind == "linear" else SlotKVCache(batch_size) for kind in layer_kinds]

@@ -33,7 +33,7 @@ def stop_strings(stop) -> Tuple[str, ...]:
         if not isinstance(s, str):
             raise TypeError(f"stop strings must be str, got {s!r}")
         if not s:
-            raise ValueError("stop strings must not be empty (\"\" matches before any text)")
+            raise ValueError('stop strings must not be empty ("" matches before any text)')
     return stops
 
 

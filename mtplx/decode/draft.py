@@ -56,8 +56,15 @@ class DraftChain:
         self.compiled = compiled
         self._fns: Dict[Tuple, Callable] = {}
 
-    def __call__(self, pending: HeadPending, draws: Optional[mx.array], sampling,
-                 head_caches: List[SlotKVCache], k: int, span: int):
+    def __call__(
+        self,
+        pending: HeadPending,
+        draws: Optional[mx.array],
+        sampling,
+        head_caches: List[SlotKVCache],
+        k: int,
+        span: int,
+    ):
         greedy = sampling.all_greedy
         T = pending.tokens.shape[1]
         for j, c in enumerate(head_caches):
@@ -80,8 +87,12 @@ class DraftChain:
         """Empty keys and values of the shapes head layer j writes (found by
         one eager pass on a probe), for `reserve` to grow."""
         probe = SlotKVCache(1)
-        self.head(mx.zeros((1, 1, hidden.shape[-1]), dtype=hidden.dtype), mx.zeros((1, 1), dtype=mx.int32),
-                  cache=_only(probe, j, self.num_layers), depth=j + 1)
+        self.head(
+            mx.zeros((1, 1, hidden.shape[-1]), dtype=hidden.dtype),
+            mx.zeros((1, 1), dtype=mx.int32),
+            cache=_only(probe, j, self.num_layers),
+            depth=j + 1,
+        )
         B = cache.batch_size
         cache.keys = mx.zeros((B, probe.keys.shape[1], 0, probe.keys.shape[3]), dtype=probe.keys.dtype)
         cache.values = mx.zeros((B, probe.values.shape[1], 0, probe.values.shape[3]), dtype=probe.values.dtype)
@@ -106,7 +117,9 @@ class DraftChain:
             for j, cache in enumerate(caches):
                 # Only the output at each row's primary is used: the head's
                 # MLP and LM head run there alone (families.common.decoder_block).
-                lg, out = head(cu_hidden, cu_tokens, cache=_only(cache, j, n), depth=j + 1, at=take)  # [B, 1, V], [B, 1, H]
+                lg, out = head(
+                    cu_hidden, cu_tokens, cache=_only(cache, j, n), depth=j + 1, at=take
+                )  # [B, 1, V], [B, 1, H]
                 if j == 0:
                     logits, hidden = lg[:, 0], out[:, 0]  # [B, V], [B, H]
                 written += [cache.keys, cache.values, arrays[3 * j + 2] + keep]
@@ -115,8 +128,9 @@ class DraftChain:
             drafts, qs = [], []
             for i in range(1, k + 1):
                 draws_i = None if greedy else sampled[0][:, i - 1 : i]  # [B, 1, ...]
-                d_i, q_i = choose_draft(logits, draws_i, sampled[1:], greedy, any_filter, any_greedy,
-                                        rule)  # [B, 1], [B, 1, V]
+                d_i, q_i = choose_draft(
+                    logits, draws_i, sampled[1:], greedy, any_filter, any_greedy, rule
+                )  # [B, 1], [B, 1, V]
                 drafts.append(d_i)
                 qs.append(q_i)
                 if i < k:

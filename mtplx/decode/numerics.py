@@ -68,8 +68,7 @@ class NonFiniteError(ValueError):
         super().__init__(f"non-finite {what} in rows={self.rows}")
 
 
-def raise_for_rows(bad: mx.array, row_names: Sequence | None = None,
-                   what: str = "values") -> None:
+def raise_for_rows(bad: mx.array, row_names: Sequence | None = None, what: str = "values") -> None:
     """Raise NonFiniteError for the rows flagged in bool [B] `bad`, if any."""
     flags = np.asarray(bad, dtype=bool).reshape(-1)
     if not flags.any():
@@ -85,8 +84,7 @@ def raise_if_nonfinite(x: mx.array, row_names: Sequence | None = None) -> None:
     raise_for_rows(nonfinite_rows(x), row_names)
 
 
-def replace_nonfinite_rows(x: mx.array, bad: mx.array,
-                           value: float | None = None) -> mx.array:
+def replace_nonfinite_rows(x: mx.array, bad: mx.array, value: float | None = None) -> mx.array:
     """Rows flagged in bool [B] `bad` replaced by a constant so a batch can go
     on while the caller records those rows as errors.
 

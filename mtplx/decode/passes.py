@@ -100,8 +100,14 @@ class StagedPass:
     slower (4.90 against 4.38 ms at depth 0): the gain is the overlap.
     Called like a SlotPass: `(inputs, caches, T)` -> (logits, hidden)."""
 
-    def __init__(self, model, keep_pending: bool, compiled: bool = True, layers_per_stage: int = 0,
-                 rope: Optional[RopeSpec] = None):
+    def __init__(
+        self,
+        model,
+        keep_pending: bool,
+        compiled: bool = True,
+        layers_per_stage: int = 0,
+        rope: Optional[RopeSpec] = None,
+    ):
         self.compiled = compiled
         n = len(model.layer_kinds)
         per_stage = layers_per_stage if layers_per_stage > 0 else n

@@ -79,8 +79,9 @@ def prompt_pass(model, prompts: List[List[int]], chunk: int, with_head: bool) ->
     return _PromptPass(cache, head_cache, L, len(prompts))
 
 
-def last_token_step(model, passes: List[_PromptPass], prefix: List[int], last: List[int],
-                    step: Optional[StagedPass] = None):
+def last_token_step(
+    model, passes: List[_PromptPass], prefix: List[int], last: List[int], step: Optional[StagedPass] = None
+):
     """Every row's last prompt token in one one-position step. mlx-lm's
     prompt pass stops one token short and feeds the last one so, and every
     later token is decoded so. A pass over the whole prompt computes that
@@ -159,14 +160,21 @@ def _row(trunk: list, head_cache, logits, hidden, b: int, g: int, n: int) -> Pre
     return Prefilled(rows, head, logits[b : b + 1, 0], hidden[b : b + 1, 0], n)
 
 
-def prefill_groups(model, prompts: List[List[int]], groups: List[List[int]], chunk: int, with_head: bool,
-                   step: Optional[StagedPass] = None) -> List[Prefilled]:
+def prefill_groups(
+    model,
+    prompts: List[List[int]],
+    groups: List[List[int]],
+    chunk: int,
+    with_head: bool,
+    step: Optional[StagedPass] = None,
+) -> List[Prefilled]:
     """A prompt pass per group of prompt indices, then one last-token step
     for them all; results in input order."""
     passes = [prompt_pass(model, [prompts[i] for i in g], chunk, with_head) for g in groups]
     order = [i for g in groups for i in g]
     trunk, logits, hidden = last_token_step(
-        model, passes, [len(prompts[i]) - 1 for i in order], [prompts[i][-1] for i in order], step)
+        model, passes, [len(prompts[i]) - 1 for i in order], [prompts[i][-1] for i in order], step
+    )
     out: List[Optional[Prefilled]] = [None] * len(prompts)
     b = 0
     for g, p in zip(groups, passes):
@@ -176,8 +184,9 @@ def prefill_groups(model, prompts: List[List[int]], groups: List[List[int]], chu
     return out
 
 
-def prefill_batch(model, prompts: List[List[int]], chunk: int, with_head: bool,
-                  step: Optional[StagedPass] = None) -> List[Prefilled]:
+def prefill_batch(
+    model, prompts: List[List[int]], chunk: int, with_head: bool, step: Optional[StagedPass] = None
+) -> List[Prefilled]:
     """Every prompt in one prompt pass, right-padded to the longest."""
     return prefill_groups(model, prompts, [list(range(len(prompts)))], chunk, with_head, step)
 
@@ -188,8 +197,14 @@ def prefill_batch(model, prompts: List[List[int]], chunk: int, with_head: bool,
 PREFILL_CALL_POSITIONS = 32
 
 
-def prefill_by_length(model, prompts: List[List[int]], chunk: int, with_head: bool,
-                      call_positions: int = PREFILL_CALL_POSITIONS, step: Optional[StagedPass] = None) -> List[Prefilled]:
+def prefill_by_length(
+    model,
+    prompts: List[List[int]],
+    chunk: int,
+    with_head: bool,
+    call_positions: int = PREFILL_CALL_POSITIONS,
+    step: Optional[StagedPass] = None,
+) -> List[Prefilled]:
     """A prompt pass per group of similar lengths, results in input order. A
     pass is padded to its longest prompt, and prompts of 30 and 128 tokens
     padded together compute 98 positions for nothing; a group per length

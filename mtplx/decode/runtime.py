@@ -99,8 +99,11 @@ class BatchRuntime:
         # one-position pass keeps nothing pending): at depth 0 it is the
         # decode step's own trace.
         self._verify = trunk_pass(model, keep_pending=self.depth > 0, compiled=contract.compile)
-        self._draft_chain = DraftChain(model.head, model.num_head_layers, contract.acceptance,
-                                       compiled=contract.compile) if self.depth > 0 else None
+        self._draft_chain = (
+            DraftChain(model.head, model.num_head_layers, contract.acceptance, compiled=contract.compile)
+            if self.depth > 0
+            else None
+        )
         # When each recent cycle launch started. In steady decoding launch to
         # launch is a whole cycle on any backend (on the CPU a launch returns
         # when its compute is nearly done, on a GPU once the work is queued):
@@ -302,8 +305,14 @@ class BatchRuntime:
         every cycle takes; they change only when rows come or go."""
         rows = batch.rows
         batch.sampling = batch_sampling([r.req.sampling if r is not None else SamplingParams() for r in rows])
-        batch.key_base = None if batch.sampling.all_greedy else row_key_base(
-            seed, [r.key_hash if r is not None else 0 for r in rows], [r.sample_index if r is not None else 0 for r in rows]
+        batch.key_base = (
+            None
+            if batch.sampling.all_greedy
+            else row_key_base(
+                seed,
+                [r.key_hash if r is not None else 0 for r in rows],
+                [r.sample_index if r is not None else 0 for r in rows],
+            )
         )  # [B] uint64
 
     def _may_end_rows(self, inf: "_InFlight") -> bool:
@@ -329,8 +338,9 @@ class BatchRuntime:
         self._disturbed = True
         self.threads.for_prompts()  # a prompt pass's GEMMs are large enough to split
         t0 = time.perf_counter()
-        pres = prefill_by_length(self.model, [ids for _, ids in batch], self.contract.prefill_chunk,
-                                 self._prefill_head(), step=self._verify)
+        pres = prefill_by_length(
+            self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self._prefill_head(), step=self._verify
+        )
         self.stats["prefill_seconds"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += sum(len(ids) for _, ids in batch)
         reqs = [req for req, _ in batch]
@@ -344,7 +354,12 @@ class BatchRuntime:
         p = target_probs(logits, batch_sampling([reqs[i].sampling for i in owner]))  # [S, 1, V]
         p = replace_nonfinite_rows(p, bad[mx.array(owner)])
         _, first = speculative_accept(
-            mx.zeros((len(owner), 0), dtype=mx.int32), p[:, :0], p, keys, rule=self.contract.acceptance, check_finite=False
+            mx.zeros((len(owner), 0), dtype=mx.int32),
+            p[:, :0],
+            p,
+            keys,
+            rule=self.contract.acceptance,
+            check_finite=False,
         )  # [S]
         lp = mx.take_along_axis(log_softmax_f32(logits[:, 0]), first[:, None], axis=-1)[:, 0]  # [S]
         first, lp, bad = first.tolist(), lp.tolist(), bad.tolist()
@@ -383,8 +398,7 @@ class BatchRuntime:
         limit = self.model.max_context
         if limit is not None and len(ids) + req.max_tokens > limit:
             raise PromptError(
-                f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens} exceeds "
-                f"the model context of {limit} tokens"
+                f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens} exceeds the model context of {limit} tokens"
             )
         return ids
 
@@ -406,11 +420,15 @@ class BatchRuntime:
         rows = list(batch.rows)
         span = batch.span_bound(batch.trunk_len, in_flight)
         greedy = batch.sampling.all_greedy  # no random draws, no probability tensors
-        draws = None if greedy else cycle_draws(
-            batch.key_base,
-            batch.emitted[:, None] + mx.arange(k + 1, dtype=mx.int32)[None, :],
-            self.contract.acceptance,
-            compiled=self.contract.compile,
+        draws = (
+            None
+            if greedy
+            else cycle_draws(
+                batch.key_base,
+                batch.emitted[:, None] + mx.arange(k + 1, dtype=mx.int32)[None, :],
+                self.contract.acceptance,
+                compiled=self.contract.compile,
+            )
         )  # [B, k+1, ...]: the randomness of each completion position this cycle decides
         num_valid = mx.clip(batch.max_tokens - batch.emitted - 1, 0, k)  # [B] rows near max_tokens draft fewer
 
@@ -432,10 +450,18 @@ class BatchRuntime:
         # evaluation at the end: the CPU backend starts a graph only when it
         # is evaluated, and building one cycle's graphs takes ~1-2 ms.
         mx.async_eval(logits, hidden)
-        d = decide(logits, drafts, q, num_valid, batch.active, draws, batch.sampling,
-                   rule=self.contract.acceptance,
-                   logprobs=any(r is not None and r.logprobs is not None for r in rows),
-                   compiled=self.contract.compile)
+        d = decide(
+            logits,
+            drafts,
+            q,
+            num_valid,
+            batch.active,
+            draws,
+            batch.sampling,
+            rule=self.contract.acceptance,
+            logprobs=any(r is not None and r.logprobs is not None for r in rows),
+            compiled=self.contract.compile,
+        )
         accepted, nxt, emitted_ids, keep = d.accepted, d.next_token, d.emitted_ids, d.keep
         batch.commit_trunk(before, keep, all_kept=(k == 0), span=span + k + 1, compiled=self.contract.compile)
         if k > 0:  # next cycle's depth-1 inputs: (H_0, d_1)..(H_{a-1}, d_a), (H_a, c)

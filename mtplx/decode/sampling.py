@@ -100,8 +100,9 @@ _MIN_TEMPERATURE = 1.5e-45  # float32's smallest positive value, once rounded
 def batch_sampling(params: Sequence[SamplingParams]) -> BatchSampling:
     return BatchSampling(
         # A positive temperature below float32's smallest (1.4e-45) would round to 0: 0 / 0.
-        temperature=mx.array([max(float(s.temperature), _MIN_TEMPERATURE) if not s.greedy else 0.0 for s in params],
-                             dtype=mx.float32),
+        temperature=mx.array(
+            [max(float(s.temperature), _MIN_TEMPERATURE) if not s.greedy else 0.0 for s in params], dtype=mx.float32
+        ),
         # A top_k past int32 keeps every token, as any top_k past the vocabulary does.
         top_k=mx.array([min(int(s.top_k), _INT32_MAX) for s in params], dtype=mx.int32),
         top_p=mx.array([float(s.top_p) for s in params], dtype=mx.float32),
@@ -601,8 +602,9 @@ def speculative_accept(
     return _residual_accept(draft, q, p, u_accept, u_residual, valid, nv)
 
 
-def residual_accept(draft: mx.array, q: mx.array, p: mx.array, uniforms: mx.array,
-                    num_valid: mx.array) -> tuple[mx.array, mx.array]:
+def residual_accept(
+    draft: mx.array, q: mx.array, p: mx.array, uniforms: mx.array, num_valid: mx.array
+) -> tuple[mx.array, mx.array]:
     """`speculative_accept` under the residual rule, with the cycle's
     `residual_uniforms` [B, k+1, 3] drawn beforehand instead of its keys:
     the same (accepted [B], next [B]). draft [B, k] int32, q [B, k, V],

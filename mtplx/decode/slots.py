@@ -204,8 +204,9 @@ class SlotBatch:
         (every trunk layer holds the same positions); None without any."""
         return next((c.lengths for c in self.trunk if isinstance(c, SlotKVCache)), None)
 
-    def commit_trunk(self, before: Optional[mx.array], keep: mx.array, all_kept: bool, span: int,
-                     compiled: bool = True):
+    def commit_trunk(
+        self, before: Optional[mx.array], keep: mx.array, all_kept: bool, span: int, compiled: bool = True
+    ):
         """Row b keeps keep[b] of the verify entries (0 for empty slots);
         `before` [B]: `trunk_lengths()` before the verify."""
         commit_gdn(self.trunk, keep, all_kept, compiled)

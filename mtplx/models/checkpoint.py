@@ -44,9 +44,7 @@ def read_header(file: Path) -> Dict[str, dict]:
         raise CheckpointError(f"corrupt safetensors file {file}: {e}") from None
     end = max((t["data_offsets"][1] for t in header.values()), default=0)
     if 8 + n + end > size:
-        raise CheckpointError(
-            f"truncated safetensors file {file}: {size} bytes, header needs {8 + n + end}"
-        )
+        raise CheckpointError(f"truncated safetensors file {file}: {size} bytes, header needs {8 + n + end}")
     return header
 
 

@@ -169,7 +169,9 @@ def _check_destination(src: Path, dst: Path, overwrite: bool):
     if dst.exists() and not dst.is_dir():
         raise FileExistsError(f"destination {dst} exists and is not a directory")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise FileExistsError(f"destination {dst} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(
+            f"destination {dst} exists and is not empty; pass overwrite=True (--overwrite) to replace it"
+        )
 
 
 def _move_into_place(staging: Path, dst: Path):

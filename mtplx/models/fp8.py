@@ -33,6 +33,7 @@ def dequantize_fp8_weights(weights: Dict[str, mx.array], block: int) -> Dict[str
     """`weights` with every fp8 weight that has a scale replaced by its
     bfloat16 value, and the scales dropped. A scale whose weight is missing
     or not fp8 stays, for the strict load to name."""
+
     def is_fp8(weight) -> bool:
         return weight is not None and weight.dtype == mx.uint8
 

@@ -57,9 +57,7 @@ def module_stats(module: nn.Module) -> dict:
     shapes and dtypes only)."""
     params = tree_flatten(module.parameters())
     floats = sorted({str(v.dtype).replace("mlx.core.", "") for _, v in params if mx.issubdtype(v.dtype, mx.floating)})
-    float_layers = sum(
-        1 for _, m in module.named_modules() if hasattr(m, "to_quantized") and not hasattr(m, "bits")
-    )
+    float_layers = sum(1 for _, m in module.named_modules() if hasattr(m, "to_quantized") and not hasattr(m, "bits"))
     return {
         "parameters": parameter_count(module),
         "tensors": len(params),

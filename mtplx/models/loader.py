@@ -171,8 +171,15 @@ def _load_tokenizer(path: Path, config: dict):
 
 
 # A tokenizer's vocabulary lives in one of these (fast, SentencePiece, BPE, WordPiece, tiktoken).
-VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                    "tiktoken.model", "qwen.tiktoken")
+VOCABULARY_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tiktoken.model",
+    "qwen.tiktoken",
+)
 
 
 def load_tokenizer(path: Path, config: dict):

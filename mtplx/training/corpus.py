@@ -33,9 +33,19 @@ HELD_OUT_MODULES: Tuple[str, ...] = (
 # Directories that are tests, vendored tools, generated tables or data rather
 # than library code (encodings/ is mostly charmap tables).
 _SKIP_DIRS = {
-    "test", "tests", "idle_test", "site-packages", "dist-packages", "idlelib",
-    "lib2to3", "turtledemo", "ensurepip", "encodings", "pydoc_data",
-    "__pycache__", "__phello__",
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "idlelib",
+    "lib2to3",
+    "turtledemo",
+    "ensurepip",
+    "encodings",
+    "pydoc_data",
+    "__pycache__",
+    "__phello__",
 }
 _SKIP_FILES = ("_sysconfigdata",)
 _MAX_FILE_BYTES = 400_000
@@ -133,7 +143,7 @@ def _example(module, qualname, node, lines) -> Optional[FunctionExample]:
     indent = first[: len(first) - len(first.lstrip())]
 
     def dedent(chunk):
-        return "".join(l[len(indent):] if l.startswith(indent) else l.lstrip(" \t") for l in chunk)
+        return "".join(l[len(indent) :] if l.startswith(indent) else l.lstrip(" \t") for l in chunk)
 
     prompt = dedent(lines[start - 1 : body[0].end_lineno])
     reference = dedent(lines[body[0].end_lineno : node.end_lineno])
@@ -144,7 +154,9 @@ def _example(module, qualname, node, lines) -> Optional[FunctionExample]:
     return FunctionExample(".".join([module] + qualname), module, qualname[-1], signature, summary, prompt, reference)
 
 
-def held_out_examples(files: List[SourceFile], max_prompt_chars: int = 1200, max_body_lines: int = 40) -> List[FunctionExample]:
+def held_out_examples(
+    files: List[SourceFile], max_prompt_chars: int = 1200, max_body_lines: int = 40
+) -> List[FunctionExample]:
     """Prompt/reference pairs from the held-out files, sorted by id."""
     out = []
     for f in files:

@@ -42,9 +42,17 @@ def held_out_loss(model, stream: np.ndarray, seq_len: int = 192, count: int = 32
         l2, _ = model.head(out1[:, :-1], tokens[:, 2:], depth=2)  # [b, N-2, V]
         ce = lambda lg, tg: nn.losses.cross_entropy(lg.astype(mx.float32), tg, reduction="mean").item()
         n = tokens.shape[0]
-        sums += n * np.array([ce(logits[:, :-1], tokens[:, 1:]), ce(l1[:, :-1], tokens[:, 2:]), ce(l2[:, :-1], tokens[:, 3:])])
+        sums += n * np.array(
+            [ce(logits[:, :-1], tokens[:, 1:]), ce(l1[:, :-1], tokens[:, 2:]), ce(l2[:, :-1], tokens[:, 3:])]
+        )
     trunk, d1, d2 = (sums / count).tolist()
-    return {"trunk_ce": round(trunk, 4), "head_d1_ce": round(d1, 4), "head_d2_ce": round(d2, 4), "windows": count, "seq_len": seq_len}
+    return {
+        "trunk_ce": round(trunk, 4),
+        "head_d1_ce": round(d1, 4),
+        "head_d2_ce": round(d2, 4),
+        "windows": count,
+        "seq_len": seq_len,
+    }
 
 
 def greedy_continue(model, prompts: mx.array, new_tokens: int) -> mx.array:
@@ -60,7 +68,9 @@ def greedy_continue(model, prompts: mx.array, new_tokens: int) -> mx.array:
     return mx.concatenate(out, axis=1)
 
 
-def teacher_forced_acceptance(model, prompts: Sequence[Sequence[int]], new_tokens: int = 64, prompt_len: int = 48, batch: int = 16) -> Dict:
+def teacher_forced_acceptance(
+    model, prompts: Sequence[Sequence[int]], new_tokens: int = 64, prompt_len: int = 48, batch: int = 16
+) -> Dict:
     """Greedy acceptance at depth 1 and cumulative depth 2 over the trunk's
     greedy continuation of each prompt (its last `prompt_len` tokens)."""
     from mlx_lm.models.cache import KVCache
@@ -99,8 +109,15 @@ def teacher_forced_acceptance(model, prompts: Sequence[Sequence[int]], new_token
     }
 
 
-def runtime_acceptance(model, prompts: Sequence[Sequence[int]], temperature: float, depth: int = 3,
-                       max_tokens: int = 64, batch: int = 16, seed: int = 0) -> Dict:
+def runtime_acceptance(
+    model,
+    prompts: Sequence[Sequence[int]],
+    temperature: float,
+    depth: int = 3,
+    max_tokens: int = 64,
+    batch: int = 16,
+    seed: int = 0,
+) -> Dict:
     """Cumulative acceptance by depth 1..`depth` of MTPLXRuntime itself
     decoding `prompts` (token ids) at `temperature`: per depth i, the rows that
     accepted d_1..d_i over the rows that drafted d_i. Unlike the teacher-forced
@@ -113,7 +130,9 @@ def runtime_acceptance(model, prompts: Sequence[Sequence[int]], temperature: flo
     from mtplx.runtime import MTPLXRuntime
 
     rt = MTPLXRuntime(model, MTPContract(depth=depth), max_batch=batch)
-    outs = rt.generate(list(prompts), sampling=SamplingParams(temperature=temperature), max_tokens=max_tokens, seed=seed)
+    outs = rt.generate(
+        list(prompts), sampling=SamplingParams(temperature=temperature), max_tokens=max_tokens, seed=seed
+    )
     acc = acceptance_summary(outs, depth)  # DESIGN "Metrics", as the bench reports it
     return {
         "by_depth": [None if a is None else round(a, 4) for a in acc["acceptance_by_depth"]],

@@ -118,7 +118,10 @@ def _measure(loaded, data, settings, eval_prompts, eval_new_tokens, measure_cost
         name: runtime_acceptance(loaded, prompts, temperature=t, max_tokens=eval_new_tokens)
         for name, t in (("greedy", 0.0), ("temperature_1", 1.0))
     }
-    log(f"held-out: {found['held_out']}; acceptance: {found['acceptance_teacher_forced']}, runtime {found['acceptance_runtime']}")
+    log(
+        f"held-out: {found['held_out']}; acceptance: {found['acceptance_teacher_forced']}, "
+        f"runtime {found['acceptance_runtime']}"
+    )
     found["samples"] = _samples(loaded, data["examples"][:2])
     if measure_costs:
         found["step_costs_ms"] = step_costs(loaded)

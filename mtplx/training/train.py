@@ -101,6 +101,7 @@ def _is_embedding_or_output(path: str, _weight) -> bool:
 
 def make_optimizer(settings: TrainSettings):
     """AdamW; the embedding and lm_head at `embedding_lr_scale` of the rate."""
+
     def adamw(scale):
         return optim.AdamW(learning_rate=learning_rate_schedule(settings, scale), weight_decay=settings.weight_decay)
 

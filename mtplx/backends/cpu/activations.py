@@ -129,7 +129,8 @@ def _forms(exp, **compile_args) -> tuple:
 _fast_sigmoid, fast_silu, fast_swiglu, fast_precise_swiglu, _softmax, _masked_softmax = _forms(fast_exp)
 # Decode passes: the power.
 step_sigmoid, step_silu, step_swiglu, step_precise_swiglu, _step_softmax, _step_masked_softmax = _forms(
-    pow_exp, shapeless=True)
+    pow_exp, shapeless=True
+)
 
 
 def conv_silu(x: mx.array) -> mx.array:
@@ -137,8 +138,16 @@ def conv_silu(x: mx.array) -> mx.array:
     return fast_silu(x) if _prompt_pass(x) else step_silu(x)
 
 
-def fast_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, step: bool = False,
-                   causal: bool = False, block_scores: Optional[int] = None) -> mx.array:
+def fast_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask,
+    step: bool = False,
+    causal: bool = False,
+    block_scores: Optional[int] = None,
+) -> mx.array:
     """What `mx.fast.scaled_dot_product_attention` computes on the CPU (its
     fallback: scores, a float32 softmax, values), with `fast_exp`, or with
     `pow_exp` for a decode pass (`step`).
@@ -247,8 +256,9 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     heads = _normed_heads(self, queries, keys.reshape(B, L, self.num_key_value_heads, -1))  # [B, Hq + Hkv, L, D]
     values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
     if cache is not None:
-        queries, keys = _rope_together(self.rope, heads, self.num_attention_heads, offset=cache.offset,
-                                       angles=getattr(cache, "positions", None))
+        queries, keys = _rope_together(
+            self.rope, heads, self.num_attention_heads, offset=cache.offset, angles=getattr(cache, "positions", None)
+        )
         keys, values = cache.update_and_fetch(keys, values)
     else:
         queries, keys = _rope_together(self.rope, heads, self.num_attention_heads)
@@ -295,8 +305,12 @@ def prepare_qk_norms(module) -> None:
         if type(q) is not nn.RMSNorm or type(k) is not nn.RMSNorm or q.eps != k.eps:
             continue
         D = q.weight.shape[-1]
-        weights = mx.concatenate([mx.broadcast_to(q.weight, (m.num_attention_heads, D)),
-                                  mx.broadcast_to(k.weight, (m.num_key_value_heads, D))])
+        weights = mx.concatenate(
+            [
+                mx.broadcast_to(q.weight, (m.num_attention_heads, D)),
+                mx.broadcast_to(k.weight, (m.num_key_value_heads, D)),
+            ]
+        )
         mx.eval(weights)
         # Beside the parameters, not among them (nn.Module registers arrays set as attributes).
         object.__setattr__(m, "qk_norm_weights", (q.weight, k.weight, weights))

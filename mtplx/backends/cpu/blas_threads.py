@@ -45,7 +45,7 @@ from typing import Optional
 import mlx.core as mx
 
 # Largest decode GEMM (rows x in x out) that runs single-threaded (see above).
-SINGLE_THREAD_MNK = 2 ** 21
+SINGLE_THREAD_MNK = 2**21
 # Above this Debian's OpenBLAS splits a GEMM (GEMM_MULTITHREAD_THRESHOLD 4 x
 # 65536): a pass whose GEMMs are all at or below it is single-threaded
 # anyway, and switching the count for it would only cost a wait.

@@ -54,5 +54,3 @@ def causal_conv(gdn, conv_input, S: int):
     weight = gdn.conv1d.weight
     taps = split[1] if split is not None and split[0] is weight else _taps_of(weight)
     return _depthwise_conv(conv_input, taps, S)
-
-

@@ -19,7 +19,5 @@ def supported_model_types() -> list:
 def family_for(config: dict) -> FamilyAdapter:
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
-        raise CheckpointError(
-            f"unsupported model_type {model_type!r}; MTPLX supports: " + ", ".join(sorted(FAMILIES))
-        )
+        raise CheckpointError(f"unsupported model_type {model_type!r}; MTPLX supports: " + ", ".join(sorted(FAMILIES)))
     return FAMILIES[model_type]

@@ -26,7 +26,7 @@ def sanitize_as_trunk_layer(
     name makes mlx-lm apply exactly those transforms.
     `extra` carries tensors that only steer detection and are dropped again.
     """
-    presented = {trunk_prefix + k[len(src_prefix):]: v for k, v in tensors.items()}
+    presented = {trunk_prefix + k[len(src_prefix) :]: v for k, v in tensors.items()}
     presented.update(extra or {})
     try:
         sanitized = trunk.sanitize(presented)
@@ -34,7 +34,7 @@ def sanitize_as_trunk_layer(
         # e.g. expert stacking pops experts.0..E-1: name the checkpoint key.
         name = str(e.args[0]) if e.args else ""
         if name.startswith(trunk_prefix):
-            name = src_prefix + name[len(trunk_prefix):]
+            name = src_prefix + name[len(trunk_prefix) :]
         raise CheckpointError(f"missing MTP tensor {name!r}") from None
     except ValueError as e:
         raise CheckpointError(f"MTP tensors under {src_prefix!r} cannot be transformed: {e}") from None
@@ -75,7 +75,7 @@ def _find_layer_suffix(key: str, trunk_prefix: str):
     # front (e.g. "language_model.model.layers.3."), so match on the tail.
     tail = trunk_prefix.split("model.", 1)[-1]  # "layers.3."
     i = key.find(tail)
-    return None if i < 0 else key[i + len(tail):]
+    return None if i < 0 else key[i + len(tail) :]
 
 
 def load_head_weights(head: nn.Module, weights: Dict[str, mx.array], where: str):
@@ -92,8 +92,7 @@ def load_head_weights(head: nn.Module, weights: Dict[str, mx.array], where: str)
     for k, v in weights.items():
         if tuple(v.shape) != tuple(expected[k].shape):
             raise CheckpointError(
-                f"{where}: MTP tensor {k!r} has shape {tuple(v.shape)}, "
-                f"expected {tuple(expected[k].shape)}"
+                f"{where}: MTP tensor {k!r} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}"
             )
     head.load_weights(list(weights.items()), strict=True)
 

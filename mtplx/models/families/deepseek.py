@@ -148,7 +148,9 @@ def trunk_class_without_mtp(model_cls: type) -> type:
             kept = {k: v for k, v in weights.items() if (_mtp_layer_index(k) or 0) < n}
             return model_cls.sanitize(self, kept)
 
-        _TRUNK_CLASSES[model_cls] = type(model_cls.__name__, (model_cls,), {"sanitize": sanitize, "__module__": __name__})
+        _TRUNK_CLASSES[model_cls] = type(
+            model_cls.__name__, (model_cls,), {"sanitize": sanitize, "__module__": __name__}
+        )
     return _TRUNK_CLASSES[model_cls]
 
 
@@ -168,7 +170,7 @@ def _build_head(trunk, config, tensors: Dict[str, mx.array], shard_shapes, quant
     n_trunk = args.num_hidden_layers
     if mlx_layout:
         n = _count_sidecar_layers(tensors)
-        weights = {k[len("mtp."):]: v for k, v in tensors.items()}
+        weights = {k[len("mtp.") :]: v for k, v in tensors.items()}
     else:
         n = _check_layer_ids(tensors, n_trunk, _num_mtp_layers(config))
         _check_block_like_the_last_trunk_layer(tensors, shard_shapes, n_trunk, n)
@@ -195,8 +197,7 @@ def _check_layer_ids(tensors, n_trunk: int, declared: int) -> int:
         raise CheckpointError(f"MTP layers must be numbered {n_trunk}..{n_trunk + n - 1}, found {ids}")
     if n != declared:
         raise CheckpointError(
-            f"checkpoint holds {n} MTP layer(s) ({ids}) but config.json declares "
-            f"num_nextn_predict_layers={declared}"
+            f"checkpoint holds {n} MTP layer(s) ({ids}) but config.json declares num_nextn_predict_layers={declared}"
         )
     return n
 
@@ -207,18 +208,19 @@ def _check_block_like_the_last_trunk_layer(tensors, shard_shapes: Dict[str, tupl
     the trunk's transforms rename them (kv_b_proj -> embed_q / unembed_out)."""
     ref = f"model.layers.{n_trunk - 1}."
     # Block-fp8 scales are gone by now: the head's tensors come dequantised.
-    block = {k[len(ref):]: s for k, s in shard_shapes.items() if k.startswith(ref) and not k.endswith("_scale_inv")}
+    block = {k[len(ref) :]: s for k, s in shard_shapes.items() if k.startswith(ref) and not k.endswith("_scale_inv")}
     for j in range(n):
         src = f"model.layers.{n_trunk + j}."
-        have = {k[len(src):]: tuple(v.shape) for k, v in tensors.items() if k.startswith(src)}
+        have = {k[len(src) :]: tuple(v.shape) for k, v in tensors.items() if k.startswith(src)}
         missing = sorted(src + k for k in block if k not in have)
         if missing:
             more = f" (and {len(missing) - 4} more)" if len(missing) > 4 else ""
             raise CheckpointError(f"missing MTP tensor(s): {', '.join(missing[:4])}{more}")
         for k, shape in block.items():
             if have[k] != tuple(shape):
-                raise CheckpointError(f"MTP tensor {src + k!r} has shape {have[k]}, "
-                                      f"expected {tuple(shape)} as {ref + k} has")
+                raise CheckpointError(
+                    f"MTP tensor {src + k!r} has shape {have[k]}, expected {tuple(shape)} as {ref + k} has"
+                )
 
 
 def _hf_to_head(trunk, tensors, n_trunk: int, n: int) -> Dict[str, mx.array]:

@@ -116,7 +116,7 @@ def _build_head(trunk, config, tensors: Dict[str, mx.array], shard_shapes, quant
         )
     head = MiMoMTPHead(args, type(inner.layers[0]), n)
     if mlx_layout:
-        weights = {k[len("mtp."):]: v for k, v in tensors.items()}
+        weights = {k[len("mtp.") :]: v for k, v in tensors.items()}
     else:
         weights = _hf_to_head(trunk, tensors, n)
     maybe_quantize_head(head, weights, quantization)

@@ -111,7 +111,7 @@ def _build_head(trunk, config, tensors: Dict[str, mx.array], shard_shapes, quant
     head = QwenMTPHead(args, type(inner.layers[ref]), ref, n)
 
     if mlx_layout:
-        weights = {k[len("mtp."):]: v for k, v in tensors.items()}
+        weights = {k[len("mtp.") :]: v for k, v in tensors.items()}
     else:
         weights = _hf_to_head(trunk, args, tensors, shard_shapes, ref, n)
     maybe_quantize_head(head, weights, quantization)
@@ -132,13 +132,11 @@ def _hf_to_head(trunk, args, tensors, shard_shapes, ref, n):
         layer = {k: v for k, v in tensors.items() if k.startswith(prefix)}
         if getattr(trunk, "model_type", None) == "qwen3_5_moe":
             layer = _fused_experts(layer, prefix)
-        weights.update(
-            sanitize_as_trunk_layer(trunk, layer, prefix, f"model.layers.{ref}.", f"layers.{j}.", trigger)
-        )
+        weights.update(sanitize_as_trunk_layer(trunk, layer, prefix, f"model.layers.{ref}.", f"layers.{j}.", trigger))
     for k, v in tensors.items():
         if k.startswith("mtp.layers."):
             continue
-        name = k[len("mtp."):]
+        name = k[len("mtp.") :]
         if hf and name in _HEAD_NORMS:
             v = v + 1.0
         weights[name] = v
@@ -226,7 +224,7 @@ def gated_delta_verify(gdn, x, cache):
     state = states[-1]
     cache.pending = (conv_input, states)  # [B, K-1+S, C], S x [B, Hv, Dv, Dk]
     # Until commit, the cache holds the state after all S steps.
-    cache.conv = conv_input[:, -(K - 1):]
+    cache.conv = conv_input[:, -(K - 1) :]
     cache.state = state
     out = gdn.norm(out, z)  # [B, S, Hv, Dv]
     return gdn.out_proj(out.reshape(B * S, -1)).reshape(B, S, -1)
@@ -304,7 +302,7 @@ def gated_delta_prefill(gdn, x, mask, cache):
         ends = mx.clip(cache.lengths, 0, S)
         cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(K - 1))[..., None], axis=1)
     else:
-        cache[0] = mx.contiguous(conv_input[:, -(K - 1):, :])
+        cache[0] = mx.contiguous(conv_input[:, -(K - 1) :, :])
     conv_out = _conv_activation(gdn)(backends.causal_conv(gdn, conv_input, S))  # [B, S, C]
     q, k, v = split_qkv(gdn, conv_out)
     log_g = log_gate(gdn.A_log, a, gdn.dt_bias)  # [B, S, Hv]
