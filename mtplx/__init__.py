@@ -1,8 +1,6 @@
 """MTPLX: a batched MLX decoder that speculates with the model's own MTP head.
 
-The package imports lazily so that `import mtplx` stays cheap and never pulls
-in pyarrow or the CLI.
-"""
+Exports load lazily, so that `import mtplx` stays cheap and never pulls in pyarrow or the CLI."""
 
 __version__ = "0.1.0"
 

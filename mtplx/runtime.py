@@ -1,5 +1,4 @@
-"""MTPLXRuntime: the batched decode loop with the depth policy its contract
-asks for (a fixed depth, or depth "auto" calibrated on this machine)."""
+"""MTPLXRuntime: the batched decode loop with the depth policy its contract asks for (fixed, or "auto")."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ __all__ = ["MTPLXRuntime", "Completion", "Request", "depth_policy"]
 
 
 def depth_policy(model, contract: MTPContract, max_batch: int):
-    """The policy `contract.depth` names: `FixedDepth`, or for "auto" the
-    `AutoDepth` that calibration plans at this batch size."""
+    """`FixedDepth`, or for "auto" the `AutoDepth` that calibration plans at this batch size."""
     if contract.depth == "auto":
         return calibration.plan_auto_depth(model, contract, max_batch)
     return FixedDepth(contract.depth)

@@ -1,14 +1,7 @@
-"""Tiny random checkpoints written in the exact Hugging Face release layouts.
-
-Tests, benchmarks and dry runs need real checkpoints without a hub. Each
-family writes `config.json` with the real field names, tensors under their
-real names and shapes (sharded, with `model.safetensors.index.json`), and a
-working tokenizer, so that `mlx_lm.load` and `mtplx.load` both open it through
-exactly the code path of a downloaded release.
-
-The tensors are made by building the mlx-lm model (and MTPLX's head) at random
-and undoing the trunk's sanitize: the inverse transforms are the test of the
-forward ones.
+"""Tiny random checkpoints in the exact Hugging Face release layouts, for tests and dry runs without a hub:
+real config fields, tensor names and shapes (sharded, with an index) and a working tokenizer, so that
+`mlx_lm.load` and `mtplx.load` open them as a downloaded release. The tensors are the mlx-lm model (and MTPLX's
+head) built at random with the trunk's sanitize undone: the inverse transforms test the forward ones.
 """
 
 from __future__ import annotations
@@ -29,11 +22,8 @@ FAMILIES: Dict[str, Callable] = {}
 
 
 def tiny_checkpoint(family: str, path, *, seed: int = 0, num_shards: int = 2, **config_overrides) -> Path:
-    """Write a random tiny checkpoint of `family` at `path`; returns the path.
-
-    `config_overrides` replace fields of the (text) config, e.g. vocab_size=32,
-    num_hidden_layers=3, mtp_num_hidden_layers=0 (no head).
-    """
+    """Write a random tiny checkpoint of `family` at `path`; returns the path. `config_overrides` replace
+    fields of the (text) config, e.g. vocab_size=32, mtp_num_hidden_layers=0 (no head)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
     path = Path(path)
@@ -89,9 +79,8 @@ def _family(name):
 
 # -- Qwen3.5 / Qwen3.5-MoE / Qwen3-Next ----------------------------------------
 
-# The zero-centred norms of the HF layout: those mlx-lm's sanitize shifts by +1
-# (decoder-layer norms and the final norm) and the head-level norms MTPLX's
-# loader shifts. The gated-delta output norm (`linear_attn.norm`) is plain.
+# The HF layout's zero-centred norms (shifted by +1 by mlx-lm's sanitize or MTPLX's loader); the gated-delta
+# output norm (`linear_attn.norm`) is plain.
 _QWEN_SHIFTED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
 _QWEN_SHIFTED_EXACT = (
     "model.language_model.norm.weight",
@@ -348,8 +337,7 @@ def fp8_block_quantize(w: mx.array, block: int = 128):
 
 
 def _fp8_layers(tensors: Dict[str, mx.array], block: int) -> Dict[str, mx.array]:
-    # The releases store the decoder layers' projections in fp8; embeddings,
-    # lm heads, norms, the router and eh_proj stay in high precision.
+    # Releases store decoder-layer projections in fp8, all else (eh_proj, router, norms) in high precision.
     out = {}
     for k, v in tensors.items():
         if (

@@ -1,4 +1,4 @@
-"""SwiGLU over a polynomial exp for the CPU backend (mtplx.cpu_activations):
+"""SwiGLU over a polynomial exp for the CPU backend (mtplx.backends.cpu.activations):
 close to MLX's exp everywhere, and models that compute what mlx-lm computes."""
 
 import mlx.core as mx

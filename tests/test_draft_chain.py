@@ -81,7 +81,7 @@ def copy_of(c: SlotKVCache) -> SlotKVCache:
 
 
 def step_by_step(model, logits, hidden, keys, sampling, caches, k, rule):
-    """Draft d_1..d_k as DESIGN step 1 says, one eager head pass at a time."""
+    """Draft d_1..d_k as step 1 of the cycle (docs/design.md) says, one eager head pass at a time."""
     caches = [copy_of(c) for c in caches]
     n = model.num_head_layers
     drafts, qs = [], []
@@ -103,7 +103,7 @@ def step_by_step(model, logits, hidden, keys, sampling, caches, k, rule):
 
 
 def caught_up(model, pending, caches):
-    """DESIGN step 0 eagerly: every head layer writes the pending pairs; each
+    """Step 0 of the cycle (docs/design.md) eagerly: every head layer writes the pending pairs; each
     row keeps `keep` of them. -> the caches and the depth-1 (logits, hidden)
     at each row's primary."""
     caches = [copy_of(c) for c in caches]

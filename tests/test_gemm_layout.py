@@ -1,4 +1,4 @@
-"""Dense weights re-laid for the CPU's GEMM (mtplx.gemm_layout): the same
+"""Dense weights re-laid for the CPU's GEMM (mtplx.backends.cpu.gemm_layout): the same
 values, and decoding that does not depend on batch size or verify width."""
 
 import mlx.core as mx

@@ -52,7 +52,7 @@ def test_an_inverse_frequency_constant_one_unit_off_fails_the_bit_check(monkeypa
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     m = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("ckpt"), vocab_size=64))
-    prepare_for_decoding(m)  # the attention that reads a pass's angles (mtplx.cpu_activations)
+    prepare_for_decoding(m)  # the attention that reads a pass's angles (mtplx.backends.cpu.activations)
     return m
 
 

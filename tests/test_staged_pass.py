@@ -1,4 +1,4 @@
-"""The trunk pass run as a chain of per-layer graphs (mtplx.compiled.StagedPass)."""
+"""The trunk pass run as a chain of per-layer graphs (mtplx.decode.passes.StagedPass)."""
 
 import mlx.core as mx
 import numpy as np

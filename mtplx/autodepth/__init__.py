@@ -1,1 +1,1 @@
-"""Depth "auto": calibration on this machine and the per-cycle depth controller."""
+"""Depth "auto": calibration at the job's batch size and the per-cycle depth controller."""

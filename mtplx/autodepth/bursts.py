@@ -1,26 +1,6 @@
-"""Calibration's timed decodes (`costs.measure_cycle_costs`): one runtime
-whose cycles play a burst of each depth between bursts of plain decoding, so
-that every depth is compared with plain cycles a few milliseconds away.
-
-A slow spell of a shared machine then hits both sides of a comparison alike.
-Timed as separate decodes, one runtime per depth (each about 0.1 s), the
-ratio of a depth-1 cycle to a plain one moved much more between
-calibrations. Eight calibrations of each kind in one process on this 2-core
-VM (2026-12-06, built-in model, 5 rounds each):
-
-| Batch | Separate decodes | Bursts |
-|---|---|---|
-| 4 | 1.355-1.641 (median 1.59) | 1.403-1.551 (median 1.51) |
-| 1 (six of each) | 1.129-1.383 | 1.183-1.223 |
-
-The bench's fixed-depth runs at batch 4 put the ratio at 1.42-1.5
-(measured decode speed-ups near the bare passes' prediction, whose ratio
-was 1.47).
-
-A depth-0 cycle of a runtime built for deeper cycles costs what a plain
-runtime's does (1.006x, median of 20 paired decodes at batch 4): a
-one-token verify keeps nothing pending for the head.
-"""
+"""Calibration's timed decodes: one `BatchRuntime`, driven by `ScriptedDepths`, whose cycles play a burst of
+each depth between plain bursts, so that each depth is compared with plain cycles milliseconds away (a slow
+spell hits both alike). A depth-0 cycle of a runtime built for deeper cycles costs what a plain one does."""
 
 from __future__ import annotations
 
@@ -39,10 +19,8 @@ REPEATS = 2  # bursts of each depth per round
 def play(
     runtime: BatchRuntime, prompts: List[List[int]], depths: Sequence[int], sampling: SamplingParams
 ) -> List[float]:
-    """Decode `prompts` through the cycles `depths` on a runtime built for the
-    deepest of them, whatever its rows sample (calibration throws their
-    tokens away): the time from each cycle's launch to the next (one fewer
-    than the cycles)."""
+    """Decode `prompts` through the cycles `depths`, whatever its rows sample (their tokens are thrown
+    away): the time from each cycle's launch to the next (one fewer than the cycles)."""
     runtime.policy = ScriptedDepths(depths, max_depth=runtime.depth)
     runtime.launch_started.clear()
     eos, runtime.eos = runtime.eos, set()  # a random prompt's end of sequence would end its row early
@@ -75,17 +53,10 @@ def tokens_bound(depths: Sequence[int]) -> int:
 
 
 def burst_times(played: Sequence[int], intervals: Sequence[float]) -> Tuple[float, Dict[int, float]]:
-    """(a plain cycle's median time, {depth: its cycle over a plain one}) from
-    one `play`: each burst of depth k against the mean of the plain bursts
-    on either side, the median over its bursts.
-
-    The interval after launch i counts for its depth only when cycle i - 1
-    ran that depth too. A burst's first cycle also catches the head up over
-    the pairs the bursts before it left, or follows one that did; and the
-    interval after a launch is that cycle's on the CPU backend (a launch
-    returns when its compute is nearly done) but the previous one's on a GPU
-    (the host waits for it at the next launch): either way a cycle of the
-    burst's depth."""
+    """(a plain cycle's median time, {depth: its cycle over a plain one}) from one `play`: each burst of
+    depth k against the mean of the plain bursts on either side, the median over its bursts. An interval
+    counts only after a cycle of the same depth: a burst's first cycle catches the head up, and the
+    interval after a launch is that cycle's on the CPU backend but the previous one's on a GPU."""
     bursts: List[Tuple[int, List[float]]] = []
     for i, k in enumerate(played):
         if i == 0 or played[i - 1] != k:

@@ -1,5 +1,5 @@
-"""Calibration for depth "auto": time the bare passes and the runtime's own
-cycles at this batch size on this machine, then plan the job's depths
+"""Calibration for depth "auto": time the bare passes and the runtime's own cycles
+at the job's batch size on the machine it runs on, then plan the job's depths
 (`plan_auto_depth`)."""
 
 from __future__ import annotations
@@ -35,30 +35,13 @@ from mtplx.decode.depth import ScriptedDepths
 from mtplx.decode.runtime import BatchRuntime
 from mtplx.decode.sampling import SamplingParams
 
-# Interleaved rounds of the bare passes timed at calibration (the step's
-# fastest anchors same-round ratios): BARE_ROUNDS_FIRST, then
-# BARE_ROUNDS_BETWEEN after each round of the runtime's own cycles, 15 in
-# all. With 7 rounds, each pass's fastest kept, one calibration in a slow
-# spell of this VM got a verify cost shape flat enough to make depth 2 look
-# 48% faster at batch 4. Taken in one go, 15 rounds could still all fall in
-# one spell, which pulls every ratio towards 1: one calibration measured
-# verify k=2 over the step at 1.55 at batch 4 (1.71-1.83 in others), put
-# depth 2 10% ahead of depth 1, and the job ran depth 2 (0.93 of depth 1).
-# Spread over the calibration, like the bench's (`costs.BareCostSampler`),
-# they cover more of the machine's spells.
+# Bare-pass rounds: BARE_ROUNDS_FIRST, then BARE_ROUNDS_BETWEEN after each round of the runtime's cycles,
+# since rounds taken in one go can all fall in one slow spell, which flattens the cost shape across depths.
 BARE_ROUNDS_FIRST = 5
 BARE_ROUNDS_BETWEEN = 2
 
-# The job depth (sampled rows) is priced on the runtime's own sampled cycles,
-# which also draw each draft and decide acceptance on probabilities: greedy
-# cycles price that at nothing. On a random tiny qwen3_5 checkpoint at batch
-# 1 (temperature 1 acceptance 0.69, a 0.44 ms step) a depth-1 cycle cost
-# 1.45x a step greedy and about 1.76x sampled; priced greedy, the job ran
-# depth 1 at 0.91 of plain decoding. These rounds are timed only where the
-# greedy pricing already puts a depth over the margin (sampled cycles never
-# cost less), and after the greedy ones, on the bare costs those sampled;
-# an even number, so that each depth runs as often early in a round as late
-# (`costs.measure_cycle_costs` reverses every other round).
+# Rounds of sampled cycles pricing the job depth (greedy ones price the draws at nothing), timed only where
+# greedy prices put a depth over the margin; even, as every other round runs the depths in reverse.
 SAMPLED_CALIBRATION_ROUNDS = 4
 
 
@@ -75,30 +58,12 @@ def measure_cycle_costs(
     burst: Optional[int] = None,
     repeats: Optional[int] = None,
 ) -> CycleCosts:
-    """Seconds per cycle of MTPLXRuntime at each depth, on `batch_size`
-    random prompts: in each round one decode whose cycles play a burst of
-    every depth between bursts of plain decoding (`depth_bursts`; after an
-    untimed round that traces and builds kernels), greedy or sampled at
-    `temperature` (a sampled cycle also draws its drafts and decides
-    acceptance on probabilities, which a greedy one skips). Deeper depths
-    go first in every other round.
-
-    A round gives depth 0 the median time from one plain cycle's launch to
-    the next and each other depth its ratio to the plain bursts beside its
-    own (`bursts.burst_times`). Launch to launch is a whole cycle on
-    any backend: on the CPU a launch returns when its compute is nearly
-    done, on a GPU once the work is queued, so launch times alone would miss
-    a GPU's compute. Medians, not means, because on a shared VM single
-    cycles stall. Depth 0's cost is its fastest round; another depth's is
-    that times the median over rounds of its ratio. Given `bare` costs of
-    the same batch size, the shape across depths comes from them instead
-    (`_shaped_by_bare`), with their verify costs never falling with depth
-    (`verify_never_falling`); given a `BareCostSampler`, it samples
-    `bare_rounds_between` more rounds after each round of decodes and the
-    shape comes from all its rounds. `burst`, `repeats`: cycles per burst
-    and bursts of each depth per round (default `bursts.BURST`,
-    `bursts.REPEATS`).
-    """
+    """Seconds per cycle of `BatchRuntime` at each depth on `batch_size` random prompts, greedy or
+    sampled at `temperature`. Each round (after an untimed one that traces) is one decode playing a burst
+    of every depth between plain bursts (`bursts`), deepest first every other round; a depth costs depth
+    0's fastest round x its median ratio to the plain bursts beside it (`bursts.burst_times`). Given
+    `bare` costs of this batch size (a `BareCostSampler` is sampled `bare_rounds_between` more rounds
+    after each round), the shape across depths comes from them (`_shaped_by_bare`)."""
     burst = burst or bursts.BURST
     repeats = repeats or bursts.REPEATS
     sampling = SamplingParams(temperature=temperature)
@@ -155,7 +120,7 @@ def _job_depth(costs, sampled_acceptance: Sequence[float], K: int, max_batch: in
 
 
 def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
-    """Calibrate on this machine at this batch size and plan the job's depths."""
+    """Calibrate at this batch size and plan the job's depths."""
     if model.head is None:
         return AutoDepth(
             0,
@@ -170,8 +135,7 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     K = contract.max_depth_auto
     acceptance = acceptance_prior(model, K)  # greedy: what the per-cycle controller starts from
     sampled = acceptance_prior(model, K, sampled=True)  # what the job depth (sampled rows) is chosen for
-    # The bare passes give the shape of cost across depths; the runtime's own
-    # short decodes, how much a whole cycle costs beyond them.
+    # Bare passes give the cost shape across depths; the runtime's decodes, a whole cycle's cost beyond them.
     sampler = BareCostSampler(model, max_batch, depths=range(1, K + 1), context=64, compiled=contract.compile)
     sampler.sample(BARE_ROUNDS_FIRST)
     costs = measure_cycle_costs(
@@ -225,22 +189,8 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
                 job = _job_depth(sampled_costs, sampled, K, max_batch)
             else:
                 sampled_costs = None
-    # Greedy rows keep a controller wherever some depth is predicted to win
-    # at all, and start speculating only where one wins by the margin; in
-    # between, the controller starts off and probes (DepthController), and
-    # its own cycle timings decide. Their output does not depend on the
-    # depth either way. In nine `make bench` runs (2026-11-30) calibration's
-    # greedy prediction at batch 16 was 0.94-1.08 (1.28 once), where depth 1
-    # measured 0.85-0.99 of plain decoding in one batch of 16 (1.045 once).
-    # Started on (seven runs), the controller went off partway through
-    # batches whose rows already finished unevenly, and auto came out at
-    # 0.88-0.98 of plain (mean 0.93); planned plain (two), at 0.94 and 0.98.
-    # A start off costs little where probes run and speculation does pay: at
-    # batch 4, forced off at the start, a controller ran 251 plain cycles
-    # before its probes turned it on, and 1.008 of one started on over 20
-    # paired rounds (one batch of 4 a run, measured before probes waited for
-    # queued rows). In one batch with nothing queued it now stays off; at
-    # batch 4 calibration predicted 1.06-1.29 in those nine runs.
+    # Greedy rows keep a controller wherever a depth is predicted to win at all; it starts on only where one
+    # wins by the margin, else off and probing (greedy output does not depend on the depth).
     greedy = best_depth(costs, acceptance, K, margin=KEEP_SPECULATING_ABOVE)
     start = best_depth(costs, acceptance, K, margin=SPECULATION_MARGIN)
     record = {

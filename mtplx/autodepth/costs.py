@@ -1,14 +1,6 @@
-"""Bare costs that bound what speculation can gain, measured on this machine.
-
-- `step_s`: one trunk forward of 1 token per row (plain decoding's step);
-- `verify_s[k]`: one trunk forward of k+1 tokens per row (a verify pass);
-- `head_s`: one head forward of 1 token per row (a draft step).
-Costs are measured with the slot caches and the compiled passes the runtime
-uses (`mtplx.compiled.trunk_pass`, staged as the runtime stages it, and the
-head's `SlotPass`), at a given batch size and context length,
-anchored to the step's fastest of interleaved rounds (`BareCostSampler`). `CycleCosts`
-are the runtime's own whole cycles (`measure_cycle_costs`).
-"""
+"""Costs that bound what speculation can gain: `BareCosts` of the bare passes (`step_s`: a trunk pass over
+1 token per row; `verify_s[k]`: over k+1 tokens; `head_s`: a head pass), timed with the runtime's slot
+caches and compiled passes, and `CycleCosts`, the runtime's own whole cycles (`calibration.measure_cycle_costs`)."""
 
 from __future__ import annotations
 
@@ -48,16 +40,12 @@ class BareCosts:
 
 @dataclass
 class CycleCosts:
-    """Seconds per decode cycle of the runtime itself at each depth: the whole
-    cycle (head catch-up, drafts, verify, accept, commit, host bookkeeping),
-    so what speculation costs beyond the bare passes is in it. Depth 0's
-    cycle stands in for the one-token step."""
+    """Seconds per cycle of the runtime itself at each depth (depth 0 stands for the step): whole cycles,
+    so what speculation costs beyond the bare passes (drafts, accept, commit, host work) is in them."""
 
     batch_size: int
     seconds: Dict[int, float]
-    # Measured cycle time relative to depth 0 over the bare passes' ratio,
-    # when the shape across depths comes from bare costs (`_shaped_by_bare`).
-    overhead: Optional[float] = None
+    overhead: Optional[float] = None  # measured over bare ratio to depth 0, when bare costs give the shape
 
     @property
     def step_s(self) -> float:
@@ -78,7 +66,7 @@ class CycleCosts:
 
 
 def ideal_tokens_per_cycle(acceptance_by_depth: Sequence[float], k: int) -> float:
-    """1 + sum of cumulative acceptance rates of depths 1..k (DESIGN "Metrics")."""
+    """1 + sum of cumulative acceptance rates of depths 1..k (docs/design.md, "Metrics")."""
     return 1.0 + float(sum(acceptance_by_depth[:k]))
 
 
@@ -90,22 +78,10 @@ def predicted_speedup(costs: BareCosts, acceptance_by_depth: Sequence[float], k:
 
 
 class BareCostSampler:
-    """The bare passes, ready to be timed in interleaved rounds (bursts of
-    back-to-back calls) whenever `sample` is called; `costs` pools every
-    round so far. The step keeps its fastest round (interference on a shared
-    machine only ever adds time); every other pass is the step times the
-    median of its ratios to the step within a round, since interleaving
-    exposes neighbouring bursts to the same slow spells and the ratios are
-    what the predictions use. A verify includes the commit that selects each
-    row's gated-delta state, as the runtime pays it.
-
-    Rounds taken in one go can all fall in one slow spell of the machine:
-    on this 2-core VM such a spell adds about the same time to every pass,
-    which pulls the ratios towards 1 (verify k=2 over the step measured
-    1.29-1.30 in two such spells, 1.39-1.51 otherwise). Sampled between the
-    benchmark's own rounds, or between calibration's decodes
-    (`measure_cycle_costs`), they cover more of the machine's spells.
-    """
+    """The bare passes, timed in interleaved rounds of back-to-back bursts at each `sample`; `costs`
+    pools every round: the step's fastest round (interference only adds time) and, for every other pass,
+    the step x the median of its same-round ratios to it. Sampled between other work (the bench's rounds,
+    calibration's decodes), the rounds cover more of a shared machine's slow spells."""
 
     def __init__(self, model, batch_size: int, depths: Sequence[int], context: int, compiled: bool = True):
         prepare_for_decoding(model)  # the model as the runtime decodes with it
@@ -115,8 +91,7 @@ class BareCostSampler:
         self.times: Dict = {name: [] for name in self.passes}
 
     def sample(self, rounds: int) -> None:
-        """Time `rounds` more interleaved rounds of every pass (the first
-        call warms them up: tracing and kernel builds)."""
+        """Time `rounds` more interleaved rounds of every pass (the first call also warms them up)."""
         warm = bool(self.times["step"])
         try:
             times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if warm else 2, lead=LEAD)
@@ -136,32 +111,17 @@ class BareCostSampler:
         )
 
 
-# A round times each pass over a burst of calls, each launched before the
-# previous one is read, as the runtime launches cycles (on the CPU backend
-# that overlaps little).
-BURST = 4
-# Untimed calls of a pass before its burst. A pass's first call after
-# another pass runs cold: it also pays for OpenBLAS's thread count switching
-# (the step runs at the caller's count, a verify at batch 4 single-threaded,
-# `mtplx.blas_threads`) and for whatever the other pass left behind, which
-# the runtime's cycles, one kind after another at one count, do not. Timed
-# cold, the verifies over the step came out low and the head high: at batch
-# 4 on the built-in model (30 interleaved rounds) verify k=1, 2, 3 over the
-# step 1.239, 1.472, 1.738 and a head pass 0.060 of it, against 1.262,
-# 1.520, 1.800 and 0.056 after one untimed call; with OpenBLAS held at one
-# thread (no switch) the gap was 0.3%, 1.4%, 2.5% and -8%.
+BURST = 4  # calls per timed burst, each launched before the previous one is read, as the runtime launches cycles
+# Untimed calls before each burst: a pass's first call after another runs cold (OpenBLAS thread count
+# switch, the other pass's leftovers), which the runtime's cycles do not (docs/bench-history.md).
 LEAD = 1
 
 
 def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: bool, threads: CycleThreads) -> dict:
-    """name -> a function running that pass once and returning its outputs:
-    "step" (1 token per row), k (a verify over k+1 tokens) and "head"; each
-    starts from `context` positions, rolled back after every call.
-
-    The trunk passes share one set of caches, as the runtime's cycles do (a
-    `BareCostSampler` keeps them through a batch size's runs: one set per
-    pass would hold five KV caches of B x context of a large checkpoint). A
-    gated-delta state is not rolled back; its values do not change the cost."""
+    """name -> a function running that pass once: "step" (1 token per row), k (a verify over k+1 tokens)
+    and "head", each from `context` positions, rolled back after every call. The trunk passes share one
+    set of caches, as the runtime's cycles do; a gated-delta state is not rolled back (its values do not
+    change the cost)."""
     tokens = mx.zeros((B, max(depths, default=0) + 1), dtype=mx.int32)
     caches = _warm_trunk(model, B, context)
     passes = {}
@@ -195,24 +155,9 @@ def _bare_passes(model, B: int, depths: Sequence[int], context: int, compiled: b
 
 
 def verify_never_falling(bare: BareCosts) -> BareCosts:
-    """The verify costs replaced by their least-squares non-decreasing fit
-    over k (adjacent depths timed out of order pooled to their mean).
-
-    A deeper verify runs more tokens, so it never costs less; but it need not
-    cost more by the same step at every depth. OpenBLAS's Haswell kernels
-    (forced by some machines' environment) run a GEMM over 3 rows slower
-    than one over 4, and at batch 1 (k + 1 rows) a verify over 4 tokens timed
-    within 1% of one over 3 in every measurement here (3.55 / 3.57, 3.49 /
-    3.45, 3.37 / 3.40 ms in three `make bench` runs). The least-squares line
-    over k that calibration used before spread depth 1 -> 2's step over
-    2 -> 3, priced depth 3's cycle 11% over depth 2's where the bench's fixed
-    depths ran it 4-6% over, and the batch-1 greedy controller ran depth 2 in
-    97% of its cycles: auto came out at 0.907 and 0.919 of a fixed depth 3 in
-    two of three runs (2026-12-01). The line was chosen on an earlier machine
-    (SkylakeX kernels, affine costs), where one calibration timed k=3 only 3%
-    over k=2 at batch 1 and the job ran depth 3, 3% slower than depth 2: with
-    depths truly apart, the noise of 15 interleaved rounds can still misorder
-    two of them, and pooling then takes their mean."""
+    """The verify costs as their least-squares non-decreasing fit over k (misordered neighbours pooled to
+    their mean): a deeper verify never costs less, but need not cost more by the same step at every depth
+    (OpenBLAS's Haswell kernels run 4 rows about as fast as 3), so a line over k would misprice them."""
     ks = sorted(bare.verify_s)
     blocks: List[List[float]] = []  # [mean, count] of pooled adjacent depths
     for k in ks:
@@ -228,16 +173,9 @@ def verify_never_falling(bare: BareCosts) -> BareCosts:
 
 
 def _shaped_by_bare(times: Dict[int, list], bare: BareCosts):
-    """Depth 0's cost is its fastest round; depth k's is that x the bare
-    cycle ratio bare.cycle_s(k) / bare.step_s x one overhead factor: the
-    median, over every round and depth, of the measured same-round ratio to
-    depth 0 divided by the bare ratio.
-
-    The bare passes are timed in many interleaved rounds and give the shape
-    across depths; a few short decodes per depth cannot (on this 2-core VM
-    one calibration measured depth 3 cheaper than depth 2, and the job ran
-    depth 3). The runtime's own cycles give the one thing the bare passes
-    lack: what a whole cycle costs beyond them, pooled over all depths."""
+    """Depth 0's cost is its fastest round; depth k's that x bare.cycle_s(k) / bare.step_s x one overhead
+    factor, the median over rounds and depths of the measured same-round ratio to depth 0 over the bare
+    ratio. The many bare rounds give the shape across depths; the decodes, what a whole cycle adds."""
     rel = [
         (t / t0) / (bare.cycle_s(k) / bare.step_s)
         for k, ts in times.items()
@@ -252,14 +190,9 @@ def _shaped_by_bare(times: Dict[int, list], bare: BareCosts):
 
 
 def _anchored_to(times: Dict, anchor=0) -> Dict:
-    """Per entry, the anchor's fastest round (depth 0's, or the bare step's)
-    x the median of the entry's same-round ratios to the anchor (rounds
-    without a time skipped); without the anchor, the fastest round.
-
-    Each entry's own fastest round would give ratios that move with
-    whichever round happened to be quick for it: over five measurements at
-    batch 1 here, verify k=1 over the step spread 1.155-1.301 that way and
-    1.164-1.253 as same-round ratios (k=2: 1.280-1.581 and 1.280-1.451)."""
+    """Per entry, the anchor's fastest round (depth 0's or the bare step's) x the median of the entry's
+    same-round ratios to it (rounds without a time skipped); without the anchor, the fastest round.
+    Same-round ratios, since each entry's own fastest round would follow whichever round was quick."""
     if anchor not in times:
         return {k: _fastest(ts) for k, ts in times.items()}
     base = _fastest(times[anchor])
@@ -276,9 +209,8 @@ def _fastest(ts) -> float:
 
 
 def interleaved_times(fns: dict, repeats: int, burst: int = 1, warmups: int = 1, lead: int = 0) -> Dict[str, list]:
-    """Seconds per call of each function, timed round-robin so that load from
-    other processes on a shared machine hits every candidate alike; each
-    timing is a burst of `burst` calls launched back to back, after `lead`
+    """Seconds per call of each function, timed round-robin so that load from other processes hits
+    every candidate alike; each timing is a burst of `burst` calls launched back to back, after `lead`
     untimed calls of the same function."""
     for fn in fns.values():  # warm-up: tracing and kernel builds
         for _ in range(warmups):
@@ -290,12 +222,8 @@ def interleaved_times(fns: dict, repeats: int, burst: int = 1, warmups: int = 1,
                 mx.eval(fn())
             t0 = time.perf_counter()
             for _ in range(burst):
-                # Nothing of a call is kept over the next: a trunk pass's
-                # outputs include the caches it wrote, and a reference held
-                # to them made MLX copy every KV cache whole at the next
-                # write instead of updating it in place, as the runtime's
-                # cycles do (at batch 16 a step with capacity 1024 timed
-                # 2.4x one with 256 so; 1.00-1.02x without the reference).
+                # Nothing of a call is kept over the next: a held reference to the caches a trunk
+                # pass wrote makes MLX copy every KV cache at its next write, as the runtime never does.
                 mx.async_eval(fn())
             mx.synchronize()
             times[name].append((time.perf_counter() - t0) / burst)
@@ -317,12 +245,9 @@ def _warm_head(model, B: int, context: int):
 
 
 def _rolled_back(caches, run):
-    """Each timed pass starts from the warm lengths, as a rolled-back verify
-    does, and, as a commit leaves the runtime's trunk, with one lengths
-    array in every KV cache (`SlotBatch.commit_trunk`), so that a pass makes
-    its positions and RoPE angles once (`mtplx.compiled._positions`). With
-    an array per layer the bare step on the built-in model had 1679 nodes
-    where the runtime's plain cycle has 1436."""
+    """Each timed pass starts from the warm lengths, as a rolled-back verify does, with one lengths array
+    in every KV cache as a commit leaves the runtime's trunk (`SlotBatch.commit_trunk`), so that a pass
+    makes its positions and RoPE angles once (`mtplx.decode.passes._positions`)."""
     kv = [c for c in caches if isinstance(c, SlotKVCache)]
     lengths = kv[0].lengths if kv else None  # every row holds the warm context in every layer
     saved = [(c, c.host_max) for c in kv]

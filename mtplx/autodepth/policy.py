@@ -1,47 +1,10 @@
-"""depth="auto": pick the speculation depth from a cost model calibrated on
-this machine, and keep adjusting it to the acceptance the job is getting.
-
-The expected speed-up of depth k over plain decoding is
-    (1 + sum_{i<=k} alpha_i) * cycle_time(0) / cycle_time(k)
-with alpha_i the cumulative acceptance at depth i. The cycle times are
-measured here at the runtime's batch size: the bare passes (one-token step,
-verify over k+1 tokens, head pass; `costs.BareCostSampler`) give their
-shape across depths, and short decodes of the runtime itself at every depth
-(`costs.measure_cycle_costs`) give how much a whole cycle costs beyond the
-bare passes. Every slot is computed whether or not a row occupies it, so the
-ratio between depths does not move as rows come and go.
-alpha starts from the model's own recorded evaluation when it ships one (the
-built-in model records the runtime's acceptance on held-out prompts, greedy
-and at temperature 1), else a cautious prior.
-
-Two regimes, because under sampling with the residual rule a row's draws
-depend on the depth each of its cycles used:
-- **job depth**: calibration picks one depth for the whole job, from the
-  sampled acceptance prior and the runtime's own sampled cycles (only
-  sampled rows run at it). Every cycle in
-  which some row samples under the residual rule runs at it, so such a row's
-  output never depends on other rows or on timing. Depth 0 (no head work at
-  all) unless a depth is predicted to beat plain decoding by 5%
-  (`SPECULATION_MARGIN`); on compute-bound hardware at large batches none
-  does.
-- **adaptive**: when every row in the batch is greedy, or the job uses the
-  coupled rule, output does not depend on the depth at all, so each cycle runs
-  at the depth that the running acceptance (`DepthController`) predicts to be
-  fastest. It starts speculating where the greedy prior predicts a depth to
-  beat plain decoding by the margin (predicted to gain less, it starts off);
-  once the running acceptance predicts no gain, the controller switches
-  speculation off, and tries it again later (a probe, which stays on only if
-  a depth then beats plain by the margin; none starts while nothing waits to
-  refill a batch of several rows). Its cycles
-  also measure what each depth costs (`cycle_timing.CycleTimes`, with short
-  bursts at neighbouring depths), and those measurements replace the
-  calibrated costs as they come in.
-If neither regime speculates at the start, the job decodes plainly with no
-head work at all (as at large batches on compute-bound hardware).
-
-The choice, its inputs, the cycles run at each depth and the measured costs
-are in `runtime.stats["auto_depth"]` (and so in the job summary).
-"""
+"""depth="auto": the speculation depth from a cost model calibrated at the job's batch
+size, adjusted to the acceptance the job gets. Depth k's predicted speed-up over plain
+decoding is (1 + sum_{i<=k} alpha_i) * cycle(0) / cycle(k), alpha_i the cumulative
+acceptance at depth i. Cycles with a row sampling under the residual rule (whose draws
+depend on the depth) run at one job depth chosen at calibration, every other cycle at
+the depth `DepthController` picks. The plan is in `runtime.stats["auto_depth"]`. The rules and
+the evidence for each constant: docs/autodepth.md."""
 
 from __future__ import annotations
 
@@ -57,12 +20,9 @@ DEFAULT_ACCEPTANCE = (0.5, 0.3, 0.18, 0.1)  # cautious prior, cumulative by dept
 
 
 def acceptance_prior(model, depths: int = len(DEFAULT_ACCEPTANCE), sampled: bool = False) -> List[float]:
-    """Cumulative acceptance by depth 1..`depths`, from the checkpoint's
-    training.json: the runtime's own acceptance on held-out prompts, greedy or
-    at temperature 1 (`sampled`), which the built-in model records for depths
-    1-3; else the teacher-forced greedy figure (depths 1 and 2); else a
-    cautious default. Depths past the recorded ones repeat the last
-    conditional rate."""
+    """Cumulative acceptance by depth 1..`depths`: the checkpoint's training.json (the runtime's own,
+    greedy or `sampled` at temperature 1; else teacher-forced greedy), else `DEFAULT_ACCEPTANCE`;
+    extended at the last conditional rate."""
     rates = list(DEFAULT_ACCEPTANCE)
     meta = model.path / "training.json"
     if meta.exists():
@@ -89,121 +49,28 @@ def extend_geometrically(cumulative: Sequence[float], depths: int) -> List[float
     return out
 
 
-# Speculating must be predicted to win by this much: a job depth is fixed on a
-# prior the job cannot correct. It was 1.1 while measured speed-ups came out
-# at 0.8-0.95 of predicted ones at batch 4; since calibration prices the
-# runtime's own cycles (CycleCosts.overhead) and OpenBLAS no longer spins
-# beside the decode, they came out at 0.93-1.06 (make bench, 01:33 UTC
-# 2026-11-30), while 1.1 kept batch 4 plain in two benches running where
-# depth 1 measured 1.10x (greedy) and 1.25x (temperature 1) over it.
+# Speculation starts only where predicted to beat plain decoding by this much: a job depth is never corrected.
 SPECULATION_MARGIN = 1.05
-
-# A controller that is speculating (not probing) goes off only once no depth
-# is predicted to beat plain decoding at all. Between 1 and the margin
-# speculation still pays as predicted, and a greedy row's output does not
-# depend on the depth, so the margin only guards turning it on. At batch 4
-# here depth 1 is predicted 1.05-1.10 over plain with the greedy prior: one
-# batch of prompts that accepted a little less than it took the controller
-# off (212 of 282 cycles plain in a bench where depth 1 measured 1.27x over
-# plain), and a probe comes only every `retry_rows`.
+# A speculating controller goes off only once no depth is predicted to pay at all (greedy output is depth-free).
 KEEP_SPECULATING_ABOVE = 1.0
-
-# A deeper depth must be predicted to win by this much over a shallower one:
-# calibration's verify-over-step ratios move by about 3% between two
-# calibrations here, and a deeper depth's rows finish a batch less evenly
-# and draw more keyed samples, neither of which the prediction sees. At 1.03
-# one calibration put depth 2 3.7% ahead of depth 1 at batch 4, temperature
-# 1, and the job ran depth 2; in the three benches of 2026-11-30 depth 1's
-# measured decode speed-up over plain there was 1.20, 1.09 and 1.11, depth
-# 2's 1.19, 0.98 and 1.02, which the bench's own bare costs predicted
-# 0-5% apart (1.18 / 1.18, 1.14 / 1.11, 1.14 / 1.09).
-# A running controller also leaves the depth it runs only for a depth
-# predicted this much faster: the first cycle or two after a change of depth
-# run slower (at batch 1 here the first depth-2 cycle after depth 1 took
-# 5.8 ms against 5.4-5.6, and the first two depth-1 cycles after depth 2
-# 4.9-5.0 against 4.4-4.8), and a controller that crossed back and forth
-# near a tie paid for it: 0.949 of a fixed depth 1 over 50 paired rounds at
-# batch 1 greedy, where it ran 0.998 once it stayed put.
+# A deeper depth must be predicted this much faster to be chosen or moved to: calibration noise, uneven
+# finishes and the slow cycles after a change of depth are not in the prediction.
 DEPTH_TOLERANCE = 1.05
-
-# Once deeper than the shallowest depth within DEPTH_TOLERANCE, a running
-# controller stays there only while it is predicted at least this much faster
-# than that depth: a near tie goes back to the shallower one, and the gap
-# between the 5% it takes to go deeper and the 2% it takes to stay keeps it
-# from crossing back and forth. Held within the whole tolerance, as before,
-# a controller at batch 1 greedy ran depth 3 in a third of its cycles in two
-# of three `make bench` runs (2026-11-30), where depth 3 measured 0.975 of
-# depth 2, and auto came out at 0.926 and 0.938 of depth 2: calibration had
-# scored the two within 1% (1.548 / 1.537, 1.294 / 1.299), so once at depth
-# 3 nothing moved it back. Ties are mispriced either way there: in the next
-# run it went to depth 1 (588, 524 and 198 cycles at depths 1, 2 and 3;
-# depth 1 measured 0.95 of depth 2) and came out at 0.971 of depth 2.
+# A running controller keeps a deeper depth only while it stays this much ahead (hysteresis near ties).
 HOLD_DEEPER = 1.02
-
-# A job depth at batch size 1 is the deepest depth predicted within
-# SINGLE_ROW_JOB_TIE of the fastest. Of the reasons for DEPTH_TOLERANCE only
-# the deeper depth's extra keyed draws apply to one row at one fixed depth: no
-# rows finish unevenly, nothing changes depth, and the draws' cost did not
-# show in the measurements below. Under the tolerance, sampled rows at batch
-# 1 ran depth 2 in seven of eight `make bench` runs (2026-11-30), where
-# calibration put depth 3 up to 4.7% ahead of it; depth 3 measured 0.8-3.7%
-# faster than depth 2 in all eight, and auto in those seven came out at
-# 0.92-1.01 of the best fixed depth. Taking the fastest alone, calibration
-# put depth 2 0.3% ahead in the next run (1.674 against 1.670), depth 3
-# measured 10% faster, and auto came out at 0.915 of it (2026-12-01). At
-# batch 1 the two predictions differ by one position of a dispatch-bound
-# pass, which calibration cannot resolve: four samplings of 15 rounds each
-# put (verify over 4 + 3 heads) / (verify over 3 + 2 heads) at 1.106-1.187.
-# A batch-1 controller picks its greedy cycles' depth by the same rule, and
-# this is also the gain it takes to change depth. Under DEPTH_TOLERANCE some
-# adaptive runtimes at batch 1 greedy ran depth 1 in up to 28% of their
-# cycles (a start or a few noisy pairs within 5%, and nothing 5% better to
-# leave it for); over four processes of 64 paired rounds ten such runtimes
-# came out at 0.906-0.991 of a fixed depth 3 (mean 0.958), six under this
-# rule at 0.947-1.004 (mean 0.978) (2026-12-02).
+# At batch 1: the deepest depth within this of the fastest, and the gain it takes to change depth (one row
+# finishes evenly, and one more position of a batch-1 pass is below what calibration resolves).
 SINGLE_ROW_JOB_TIE = 1.02
-
-# A speculating controller goes off before `min_rows` once even an optimistic
-# reading of what it has seen cannot pay: depth 1's acceptance at the upper
-# end of its Wilson interval at HOPELESS_Z (one-sided, a 0.13% false alarm
-# at any one check), and every deeper draft accepted as often as d_1 (the
-# cumulative rate can only fall with depth). A head that drafts nearly
-# nothing right (one never trained, or prompts far from its training) then
-# costs some 50 row-cycles instead of `min_rows`: on a random tiny qwen3_5
-# checkpoint (acceptance 0.03) auto ran 0.86 of plain greedy decoding at
-# batch 1 over a 24-run bench, 225 of its 655 cycles at depth 1. A false
-# alarm only costs speed until the next probe: greedy output does not depend
-# on the depth.
+# Off before `min_rows` if no depth pays even at this z of depth 1's one-sided Wilson bound (a useless head).
 HOPELESS_Z = 3.0
-
-# Each probe that ends with speculation off doubles the wait before the next,
-# up to this many times `retry_rows`; a probe that pays resets it. Where the
-# head drafts nearly nothing right, every probe costs some 50 row-cycles
-# at a speculating cycle's price (1.4x plain on a tiny checkpoint at batch
-# 1): 2% of a job at one probe per 1,024 row-cycles, 0.3% at one per 8,192.
-# A job whose prompts start to accept later finds out within that wait.
+# Each failed probe doubles the wait for the next, up to this many times `retry_rows`.
 MAX_RETRY_BACKOFF = 8
-
-# While speculating, a controller that is told its cycles' launch times
-# (`DepthController.launched`) runs a short burst at a neighbouring depth
-# (one shallower and one deeper in turn; at depth 1, plain decoding) every
-# EXPLORE_EVERY cycles, so that `cycle_timing.CycleTimes` can measure what
-# each costs next to the depth it runs; a burst of EXPLORE_CYCLES gives two
-# intervals at its depth. Once every neighbour is measured (MIN_PAIRS pairs
-# with the depth it runs), a burst comes every EXPLORE_EVERY_MEASURED cycles,
-# to follow the machine and the context length. Greedy rows' output does not
-# depend on the depth, so a burst only costs time. At batch 4 greedy here,
-# with depth 1 the fastest, over 30 paired rounds against a fixed depth 1:
-# bursts every 32 cycles throughout (9% of cycles at depths 0 and 2) ran
-# 0.969, every 128 once measured (3%) 0.978, the same plan untimed, all at
-# depth 1, 0.989-0.990.
+# A timed, speculating controller runs an EXPLORE_CYCLES burst at a neighbouring depth every EXPLORE_EVERY
+# cycles (EXPLORE_EVERY_MEASURED once each neighbour has MIN_PAIRS pairs), for `timing.CycleTimes`.
 EXPLORE_EVERY = 32
 EXPLORE_EVERY_MEASURED = 128
 EXPLORE_CYCLES = 3
-# Bursts at plain decoding a controller runs to measure it before going off;
-# where cycles are rarely clean (rows finishing every few cycles) the pairs
-# may not come, and it goes off on calibration's word after these.
-MEASURE_PLAIN_BURSTS = 4
+MEASURE_PLAIN_BURSTS = 4  # plain bursts tried before going off; after these, calibration's word decides
 
 
 def fastest_depth(scores: dict, tolerance: float = DEPTH_TOLERANCE, deepest: bool = False) -> int:
@@ -221,8 +88,7 @@ def best_depth(
     tolerance: float = DEPTH_TOLERANCE,
     deepest: bool = False,
 ) -> int:
-    """The shallowest (or `deepest`) depth predicted within `tolerance` of the
-    best speed-up; 0 unless one beats `margin`."""
+    """The shallowest (or `deepest`) depth within `tolerance` of the best; 0 unless one beats `margin`."""
     depths = [k for k in range(1, max_depth + 1) if k in costs.verify_s and k <= len(acceptance)]
     scores = {k: predicted_speedup(costs, acceptance, k) for k in depths}
     if not scores:
@@ -253,39 +119,12 @@ def conditional_rates(cumulative: Sequence[float]) -> List[float]:
 class DepthController:
     """Running acceptance by depth -> the fastest depth for the next cycle.
 
-    Per depth i it keeps exponentially decayed counts of rows that reached
-    d_i (accepted d_1..d_{i-1} and drafted d_i) and of rows that accepted it,
-    on top of `prior_weight` pseudo-rows at the prior's rates, so one cycle
-    cannot swing the choice and a depth not tried lately keeps its prior.
-
-    When no depth is predicted to beat plain decoding any more
-    (`KEEP_SPECULATING_ABOVE`) after `min_rows` row-cycles, speculation goes
-    off (no head work); turning it on takes the margin. The counts
-    keep decaying while it is off, so the estimate moves back toward the
-    prior. Only a cycle that drafts measures acceptance, so after
-    `retry_rows` row-cycles off, speculation is tried again for at least
-    `probe_rows` row-cycles whatever the estimate: a job whose prompts accept
-    better than the prior would otherwise never find out (greedy rows' output
-    does not depend on the depth, so a probe only costs time). Probes that
-    fail come ever less often (`MAX_RETRY_BACKOFF`).
-    Early cycles of a row accept less than later ones, which is why a single
-    bad spell must not switch it off for good. Before `min_rows` it goes off
-    only on clear evidence: no depth pays even at the optimistic end of the
-    acceptance seen (`HOPELESS_Z`). Rows that lived through an off
-    spell draft from a head history with gaps: that lowers their acceptance,
-    never their output. `start_off`: begin with speculation off, as when the
-    prior is not predicted to pay by the margin; it then goes on at its
-    first probe that pays. `one_row` (a batch of one): the deepest depth
-    within SINGLE_ROW_JOB_TIE of the fastest, and a change of depth only for
-    one predicted that much faster.
-
-    The cycle costs it predicts from start as calibrated. Told each cycle's
-    launch (`launched`), it measures them as the job runs (`CycleTimes`),
-    exploring neighbouring depths in short bursts while speculating
-    (`EXPLORE_EVERY`), and predicts from the measured costs wherever it has
-    them: calibration's few seconds can misprice a whole speculating cycle
-    by 10% on a noisy machine, which decides whether speculation pays at
-    all where the gain is 5-15%.
+    Keeps decayed counts of rows that reached and accepted each depth's draft, on
+    top of `prior_weight` pseudo-rows at the prior's rates. Speculation goes off
+    when no depth is predicted to pay and on only by the margin; while off it
+    probes every `retry_rows` row-cycles for `probe_rows`, since only drafting
+    cycles measure acceptance. `start_off`: begin off. `one_row`: a batch of one.
+    Told each launch, it prices depths from the job's own cycles (`CycleTimes`).
     """
 
     def __init__(
@@ -302,12 +141,10 @@ class DepthController:
         one_row: bool = False,
     ):
         self.costs = costs
-        # One row: the deepest depth within a near tie, as for a one-row job depth (SINGLE_ROW_JOB_TIE).
         self.tie = SINGLE_ROW_JOB_TIE if one_row else DEPTH_TOLERANCE
         self.deepest = one_row
         self.max_depth = max_depth
-        # Counts by depth as Python floats: K is at most a few, and numpy's
-        # per-call cost made the controller ~0.1 ms of a 5-7 ms batch-1 cycle.
+        # Plain Python floats: K is a few, and numpy's per-call overhead would weigh on a short cycle.
         self.prior_passed = [prior_weight * r for r in conditional_rates(prior[:max_depth])]  # [K]
         self.prior_reached = [float(prior_weight)] * max_depth  # [K]
         self.passed = [0.0] * max_depth  # [K]
@@ -345,8 +182,7 @@ class DepthController:
         self.rows_seen += n
         self._unfaded_rows += n
         K = self.max_depth
-        # A row reached d_i when it accepted d_1..d_{i-1} and drafted d_i,
-        # i.e. i <= min(a + 1, drafted) (a <= drafted), and passed it when i <= a:
+        # A row reached d_i when i <= min(a + 1, drafted) (a <= drafted) and passed it when i <= a:
         # histograms of both, summed from the top.
         reached_at, passed_at = [0] * (K + 1), [0] * (K + 1)  # by depth 0..K
         for a, d in zip(accepted, drafted):
@@ -363,8 +199,7 @@ class DepthController:
             self.passed[i - 1] += passed
 
     def _fade(self) -> None:
-        """Decay the counts for the row-cycles seen since the last fade (kept
-        lazy: off, a cycle would otherwise pay for it while nothing reads them)."""
+        """Decay the counts for the row-cycles since the last fade (lazy: off, nothing reads them)."""
         if self._unfaded_rows:
             decay = 0.5 ** (self._unfaded_rows / self.half_life_rows)
             self.reached = [decay * x for x in self.reached]
@@ -381,18 +216,13 @@ class DepthController:
         return out
 
     def choose(self, draining: bool = False) -> int:
-        """The depth of the next cycle. `draining`: nothing waits to refill
-        the batch and several rows run. Then no probe starts: speculating
-        lets rows drift apart, and once nothing refills the batch its last
-        cycles run for its slowest rows, which a probe's prediction (each
-        row's own cycles) does not see. In one batch of 16 here depth 1
-        measured 0.85-0.99 of plain decoding where probes predicted more
-        than the margin, and turned speculation on."""
+        """The depth of the next cycle. `draining`: nothing waits to refill the batch and several rows
+        run; then no probe starts: the last cycles run for the slowest rows, which predictions miss."""
         if self._explore_left > 0:
             self._explore_left -= 1
             return self._explore_depth
         if self.off and (self.rows_seen < self._retry_after or draining):
-            return 0  # nothing to decide before a probe is due; a tiny model's cycle lasts under 1 ms
+            return 0  # nothing to decide before a probe is due: an off cycle stays cheap
         acc = self.acceptance()
         costs = self.timing.costs() if self.timed else self.costs
         scores = {k: predicted_speedup(costs, acc, k) for k in range(1, self.max_depth + 1)}
@@ -409,8 +239,7 @@ class DepthController:
             not self.off and not keeps and self.rows_seen >= (self.probe_rows if self.probing else self.min_rows)
         )
         going_off = going_off or hopeless
-        # Timed, it first measures plain decoding beside the depth it runs:
-        # that comparison decides whether speculation pays.
+        # Timed, it measures plain decoding beside its depth before going off: that decides it.
         measure_plain = (
             going_off
             and not hopeless
@@ -427,8 +256,7 @@ class DepthController:
             self.off, self.rows_seen, self._plain_bursts = True, 0, 0
             if self.probing:  # a failed probe: wait longer for the next
                 self._retry_after = min(2 * self._retry_after, MAX_RETRY_BACKOFF * self.retry_rows)
-        # A probe is judged on what it drafts: at its start the faded counts
-        # are back near the prior, which may pay.
+        # A probe is judged on what it drafts: at its start the faded counts are near the prior.
         if pays and (not self.probing or self.rows_seen >= self.probe_rows):
             self.probing = False
             self._retry_after = self.retry_rows
@@ -438,8 +266,7 @@ class DepthController:
         return self._maybe_explore(best, measure_plain)
 
     def _hopeless(self, costs) -> bool:
-        """Whether even an optimistic reading of the acceptance seen (HOPELESS_Z)
-        predicts no depth to beat plain decoding."""
+        """Whether no depth pays even at the optimistic end of the acceptance seen (HOPELESS_Z)."""
         self._fade()
         best_case = wilson_upper(self.passed[0], self.reached[0], HOPELESS_Z)
         optimistic = [best_case] * self.max_depth  # every draft as likely as d_1
@@ -448,9 +275,8 @@ class DepthController:
         )
 
     def _maybe_explore(self, best: int, measure_plain: bool) -> int:
-        """`best`, or the first cycle of a burst at a neighbouring depth when
-        one is due (see EXPLORE_EVERY); `measure_plain`: about to go off, so
-        plain decoding is due soon."""
+        """`best`, or the first cycle of a burst at a neighbouring depth when one is due
+        (EXPLORE_EVERY); `measure_plain`: about to go off, so plain decoding is due soon."""
         if not self.timed or self.probing or self.explore_every <= 0:
             return best
         near = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_depth]
@@ -473,20 +299,15 @@ class DepthController:
 
 
 def warm_up_depths(max_depth: int) -> List[int]:
-    """Every depth 1..max_depth right after every depth 0..max_depth. A
-    runtime traces its compiled passes per shape on first use: per depth the
-    verify and the draft chain, per previous depth the head catch-up. An
-    adaptive job would first visit most of them in the bursts of its early
-    cycles (`EXPLORE_EVERY`); on the default model here their tracing takes
-    about 50 ms in all at batch 1 and 4, against 3-10 ms a cycle."""
+    """Every depth 1..max_depth right after every depth 0..max_depth: the shapes the runtime traces
+    its passes for (verify and drafts per depth, head catch-up per previous depth)."""
     return [k for depth in range(1, max_depth + 1) for prev in range(max_depth + 1) for k in (prev, depth)]
 
 
 @dataclass
 class AutoDepth:
-    """The depth policy of depth "auto" (`mtplx.decode.depth` says what a
-    policy answers): sampled rows under the residual rule at `job_depth`,
-    every other cycle at the controller's choice."""
+    """The policy of depth "auto" (see `mtplx.decode.depth`): sampled rows under the residual
+    rule at `job_depth`, every other cycle at the controller's choice."""
 
     job_depth: int  # the depth of every cycle with a row sampling under the residual rule
     max_depth: int  # the deepest any cycle may go (what the batch is built for)
@@ -510,10 +331,8 @@ class AutoDepth:
         return warm_up_depths(self.max_depth) if self.controller is not None else []
 
     def prefills_head(self) -> bool:
-        """Not while sampled rows are kept plain and the greedy controller is
-        off: a head pass over every prompt would be work for nothing. A row
-        prefilled without it drafts, once a probe turns speculation on, from
-        a head history with a gap: that costs acceptance, never output."""
+        """Whether prompts go through the head: not while sampled rows are plain and the controller is
+        off. A row prefilled without it drafts from a head history with a gap: less acceptance, same output."""
         if self.controller is None or self.job_depth > 0:
             return True
         return not getattr(self.controller, "off", False)

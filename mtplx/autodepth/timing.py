@@ -1,28 +1,12 @@
-"""What the job's own cycles say each depth costs, as a correction to the
-calibrated cycle costs (`costs.CycleCosts`).
+"""What the job's own cycles say each depth costs: a correction to calibration's `costs.CycleCosts`, which
+its few seconds on a noisy machine can misprice by enough to decide whether speculation pays.
 
-Calibration prices a cycle at each depth in a few seconds on a machine whose
-speed moves by several percent from one second to the next: on a 2-core VM
-its overhead factor (runtime cycle over bare passes) came out anywhere in
-0.89-1.16 over a dozen calibrations at batch 1-16, enough to call a 5-15%
-gain of depth 1 over plain decoding at batch 4 either way. A job that runs thousands of cycles can measure better,
-as long as it compares depths over the same spells of the machine.
-
-So the time from one cycle's launch to the next is taken as a sample of that
-cycle's depth, and consecutive cycles at one depth form a run. Whenever the
-depth changes, the new run's first samples are compared with the last
-samples of the run before it, as a log ratio over the calibrated one: a
-pair measured a few cycles apart, which a slow spell hits alike. The median of
-the recent pairs between two depths corrects their calibrated ratio.
-
-An interval counts only when
-- nothing but the cycle happened in it (no prefill, no rows loaded or
-  finished, no batch shrink: the runtime says so with `clean`), and
-- the cycle before it ran the same depth. On the CPU backend a launch
-  returns when its compute is nearly done, so the interval after a launch
-  is that cycle's; on a GPU it is the previous cycle's, whose compute the
-  host waits for. Both are the run's depth then.
-"""
+Each launch-to-launch interval samples its cycle's depth; consecutive cycles at one depth form a run. At
+each change of depth the new run's first samples are compared with the previous run's last (a log ratio
+over the calibrated one): a pair a few cycles apart, which a slow spell hits alike; the median of recent
+pairs corrects the two depths' calibrated ratio. An interval counts only when `clean` (nothing but the
+cycle happened) and the cycle before it ran the same depth (on the CPU backend the interval after a
+launch is that cycle's, on a GPU the previous one's)."""
 
 from __future__ import annotations
 
@@ -34,14 +18,9 @@ import numpy as np
 
 from mtplx.autodepth.costs import CycleCosts
 
-# Samples from each side of a depth change that make one pair: the ones
-# closest in time to the change.
-PAIR_SAMPLES = 4
-# Pairs kept per two depths: a few hundred cycles back when depths are
-# explored every few dozen cycles, so a correction follows the machine.
-PAIR_WINDOW = 16
-# Pairs two depths need before their measured ratio replaces calibration's.
-MIN_PAIRS = 4
+PAIR_SAMPLES = 4  # samples from each side of a depth change that make a pair: those closest to it
+PAIR_WINDOW = 16  # pairs kept per two depths: a few hundred cycles back, so a correction follows the machine
+MIN_PAIRS = 4  # pairs two depths need before their measured ratio replaces calibration's
 
 
 class CycleTimes:
@@ -59,16 +38,14 @@ class CycleTimes:
         self.pairs: Dict[Tuple[int, int], deque] = {}  # (lo, hi) -> log(hi/lo) over calibrated
         self._last: Optional[Tuple[int, float]] = None  # the previous launch's depth and time
         self._depth_before_last: Optional[int] = None
-        # The current run's samples, log(seconds / calibrated): its first and
-        # its last `pair_samples`, all a pair uses (a run may last a whole job).
+        # The current run's samples, log(seconds / calibrated): its first and last `pair_samples`.
         self._run_first: List[float] = []
         self._run_last: deque = deque(maxlen=pair_samples)
         self._run_before: Optional[Tuple[int, List[float]]] = None  # depth, last samples
         self._corrected: Optional[CycleCosts] = None  # cached until a pair comes in
 
     def launched(self, depth: int, t: float, clean: bool) -> None:
-        """A cycle at `depth` was launched at time `t` (seconds); `clean`:
-        nothing but the previous cycle happened since the previous launch."""
+        """A cycle at `depth` launched at `t` (seconds); `clean`: nothing but the previous cycle since."""
         if self._last is not None:
             last_depth, last_t = self._last
             if clean and self._depth_before_last == last_depth and t > last_t:
@@ -95,8 +72,7 @@ class CycleTimes:
         self._run_before = (depth, last) if last else None
 
     def as_dict(self) -> dict:
-        """The measured pairs (count, median log ratio over calibrated) and
-        the costs predicted from them, for the job summary."""
+        """The measured pairs (count, median log ratio) and the costs predicted from them."""
         return {
             "pairs": {f"{lo}-{hi}": [len(v), float(np.median(v))] for (lo, hi), v in sorted(self.pairs.items())},
             "cycle_s": {str(k): v for k, v in self.costs().seconds.items()},
@@ -106,12 +82,9 @@ class CycleTimes:
         return len(self.pairs.get(tuple(sorted((a, b))), ()))
 
     def costs(self) -> CycleCosts:
-        """Calibrated costs, with the ratio between depths corrected wherever
-        the job has measured it (`MIN_PAIRS` pairs). Depths linked by measured
-        pairs to the one run last take their measured ratios to it; any other
-        depth above 0 takes the mean correction of the linked depths above 0,
-        since what calibration misprices most is the overhead every
-        speculating cycle shares; depth 0, unlinked, keeps its calibrated ratio."""
+        """Calibrated costs, each depth's ratio corrected where measured (`MIN_PAIRS` pairs, linked to the
+        depth run last); other depths above 0 take the linked ones' mean correction (the overhead every
+        speculating cycle shares), depth 0 its calibrated ratio."""
         if self._corrected is None:
             self._corrected = self._correct()
         return self._corrected

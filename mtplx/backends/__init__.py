@@ -1,20 +1,11 @@
-"""The one seam where the device chooses MTPLX's forms.
+"""The one seam where the device chooses MTPLX's forms: `forms(device)` names the form for each concern.
 
-On MLX's CPU backend MTPLX swaps in forms that run faster there
-(`mtplx/backends/cpu/`). On any other device (a GPU, CUDA or Metal) the trunk
-runs mlx-lm's modules as loaded, with their `mx.fast` kernels and, on Metal,
-mlx-lm's gated-delta kernel for prompts. What MTPLX keeps there is only what
-the algorithm needs, on every device:
-- the slot caches, with a length per row (`mtplx.decode.cache`);
-- the gated-delta verify that keeps the state after every step, so that
-  commit picks each row's state at its accepted step
-  (`mtplx.models.families.qwen.gated_delta_verify`);
-- the latent attention of DeepSeek/GLM in one form for every decode pass
-  (`mtplx.decode.mla`).
-
-`forms(device)` names the form chosen for each concern; the functions below
-are the choices themselves. Nothing outside this package imports
-`mtplx.backends.cpu`.
+On MLX's CPU backend MTPLX swaps in faster forms (`mtplx/backends/cpu/`, imported only from here). On a GPU
+(CUDA or Metal) the trunk runs mlx-lm's modules as loaded, with their `mx.fast` kernels; MTPLX keeps only the
+algorithm's own forms, as on every device: the slot caches with a length per row (`mtplx.decode.cache`); the
+per-step gated-delta states of a verify, so commit picks each row's state at its accepted step
+(`mtplx.models.families.qwen.gated_delta_verify`); DeepSeek/GLM latent attention in its one-position form
+for every decode pass (`mtplx.decode.mla`).
 """
 
 from __future__ import annotations
@@ -90,8 +81,7 @@ def prepare_model(model) -> None:
 
 
 def prepare_loaded(model) -> None:
-    """What a loaded model needs to run a forward at all on the device: MLX's
-    CPU gather_mm takes float32 experts only."""
+    """What a loaded model needs to run a forward at all: MLX's CPU gather_mm takes float32 experts only."""
     if on_cpu():
         experts.float32_experts(model)
 
@@ -109,23 +99,19 @@ def causal_conv(gdn, conv_input: mx.array, S: int) -> mx.array:
 
 
 def chunked_prefill(x: mx.array) -> bool:
-    """Whether a gated-delta layer runs this prompt chunk [B, S, H] with the
-    chunk-wise recurrence; else the layer's own forward."""
+    """Whether a gated-delta layer runs prompt chunk x [B, S, H] chunk-wise (else the layer's own forward)."""
     return on_cpu() and x.dtype == mx.float32 and x.shape[1] >= CHUNKED_PREFILL_MIN
 
 
 def pass_stages(model):
-    """(trunk layers per staged graph, the RoPE whose angles a pass makes once
-    for every layer) for a decode pass; (None, None): one graph, each layer
-    rotating on its own."""
+    """(trunk layers per staged graph, the RoPE whose angles a pass makes once); (0, None): one graph."""
     if not on_cpu():
-        return None, None
+        return 0, None
     return 1, activations.shared_rope_spec(model)
 
 
 class CycleThreads:
-    """OpenBLAS's thread count for each decode cycle and prompt pass on the CPU
-    (`cpu.blas_threads`); nothing on other devices."""
+    """OpenBLAS's thread count per decode cycle and prompt pass on the CPU (`cpu.blas_threads`)."""
 
     def __init__(self, model):
         self.active = on_cpu()

@@ -56,8 +56,7 @@ def format_table(records: Sequence[dict]) -> str:
 
 
 def write_plot(records: Sequence[dict], path) -> None:
-    """Tokens/s against batch size, one line per depth and one for mlx-lm,
-    one panel per temperature. Needs matplotlib (the `plot` extra)."""
+    """Tokens/s against batch size, a line per depth and mlx-lm, a panel per temperature (needs matplotlib)."""
     plt = require_matplotlib()
     rows = [r for r in records if r["engine"] != "header"]
     temps = sorted({r["temperature"] for r in rows})
@@ -82,8 +81,7 @@ def write_plot(records: Sequence[dict], path) -> None:
 
 
 def check_writable(path, what: str) -> None:
-    """Fail before a run of minutes, not after it: `path` must be a file this
-    process can create or replace (a ValueError naming it otherwise)."""
+    """Fail before a run of minutes: a ValueError unless this process can create or replace `path`."""
     p = Path(path)
     existed = p.exists()
     try:
@@ -96,8 +94,7 @@ def check_writable(path, what: str) -> None:
 
 
 def check_output_paths(output, plot=None) -> None:
-    """Before a run of minutes: `output` writable, and `plot` (when asked
-    for) drawable: matplotlib installed, a format it writes, a writable path."""
+    """Before the run: `output` writable; `plot` a writable path in a format the installed matplotlib writes."""
     check_writable(output, "--output")
     if plot:
         require_matplotlib()
@@ -106,8 +103,7 @@ def check_output_paths(output, plot=None) -> None:
 
 
 def check_plot_format(path) -> None:
-    """A --plot file matplotlib can write, judged by its extension, before
-    the run rather than after it."""
+    """A --plot file matplotlib can write, judged by its extension."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = FigureCanvasBase.get_supported_filetypes()
@@ -144,7 +140,7 @@ def _series(rows: Sequence[dict], temperature: float):
 
 def _per_run(per_run) -> str:
     """'16 at B=4, ...' from the header's prompts per run by batch size."""
-    if not isinstance(per_run, dict):  # records before 2026-11-30: one count, or "batch size"
+    if not isinstance(per_run, dict):  # older records: one count, or "batch size"
         return str(per_run)
     return ", ".join(f"{n} at B={B}" for B, n in per_run.items())
 
@@ -202,9 +198,8 @@ def _depth(r: dict) -> str:
 
 
 def _depth_run_most(r: dict) -> int:
-    """The depth most of an "auto" record's timed cycles ran at. Its
-    depth_used, the job depth, is what rows sampling under the residual rule
-    run at; greedy rows follow the running controller."""
+    """The depth most of an "auto" record's timed cycles ran at (its depth_used, the job depth, is what
+    sampled rows run at; greedy rows follow the running controller)."""
     cycles = {int(k): n for k, n in (r.get("cycles_by_depth") or {}).items() if n}
     return max(cycles, key=lambda k: (cycles[k], -k)) if cycles else r["depth_used"]
 
@@ -229,8 +224,7 @@ def _rates(rates: Optional[Sequence[Optional[float]]]) -> str:
 
 
 def _efficiency(r: dict) -> Optional[float]:
-    """Measured decode speed-up over the predicted one: how much of the gain
-    the acceptance and bare costs allow the runtime delivers."""
+    """Measured decode speed-up over the predicted one: the share of the possible gain delivered."""
     share = decode_over_predicted(r)
     return None if share is None else share[0]
 
@@ -252,7 +246,7 @@ def _thread_timeout(blas: dict) -> str:
 
 
 def _rounds(settings: dict) -> str:
-    """The rounds where short runs got more of them (mtplx.bench.BenchPlan.rounds)."""
+    """The rounds where short runs got more of them (mtplx.bench.run.BenchPlan.rounds)."""
     by_b = settings.get("rounds_by_batch_size") or {}
     more = {b: n for b, n in by_b.items() if n != settings["repeats"]}
     return " (" + ", ".join(f"{n} rounds at B={b}" for b, n in more.items()) + ")" if more else ""

@@ -1,17 +1,6 @@
-"""The speed requirements of the benchmark's issue, checked on its records.
-
-- MTPLX at depth 0 at least 0.95 of mlx-lm at every batch size and temperature;
-- measured decode speed-up at least 0.9 of the predicted one at batch 1 and 4
-  (each round against its own prediction);
-- auto at least 0.95 of the best fixed depth (depth 0 included).
-
-Each figure is a median of paired ratios over rounds on a shared machine, so
-each cell also says whether a miss is within noise: "missed" only when the
-whole confidence interval of the median (`bench.median_interval`) lies
-below the bar. On a 2-core VM, five rounds at batch 16 measured auto, which
-ran plain decoding there, at 0.914 of depth 0, the same computation (a
-bench of 2026-11-30): a bare median under the bar is not yet a finding.
-"""
+"""The benchmark issue's speed requirements (the bars below), checked on its records. A cell reads "missed"
+only when the whole confidence interval of its median of paired ratios (`bench.run.median_interval`) lies
+below the bar: on a shared machine, a median under the bar alone is not yet a finding."""
 
 from __future__ import annotations
 
@@ -93,10 +82,8 @@ def _decode_cells(mtplx: Sequence[dict]) -> List[Cell]:
 
 
 def decode_over_predicted(r: dict) -> Optional[Tuple[float, Optional[List[float]]]]:
-    """(measured decode speed-up over the predicted one, its interval): the
-    median of each round's share of its own prediction where the record has
-    it (mtplx.bench.add_measured_speedups), else, in records written before
-    it, the median speed-up over the pooled prediction."""
+    """(measured decode speed-up over the predicted one, its interval): the record's per-round figure
+    (mtplx.bench.run.add_measured_speedups), or in older records the median over the pooled prediction."""
     if r.get("decode_over_predicted") is not None:
         return r["decode_over_predicted"], r.get("decode_over_predicted_ci")
     pred, meas = r.get("predicted_speedup"), r.get("measured_decode_speedup")

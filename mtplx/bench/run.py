@@ -1,57 +1,9 @@
 """`mtplx bench`: MTPLX against mlx-lm's `batch_generate`, side by side in one process.
 
-    python -m mtplx.bench --output bench.json [--model DIR] [--batch-sizes 1,4,16,64]
-        [--depths 0,1,2,3,auto] [--temperatures 0,1] [--max-tokens 128]
-        [--prompts N] [--repeats R] [--max-prompt-tokens N] [--seed S]
-        [--plot bench.png] [--quick]
-
-For every batch size B and temperature t, on the same prompts, the same
-max_tokens and the same checkpoint, it times:
-- the baseline, `mlx_lm.generate.batch_generate` with its decode batch = B, on
-  a trunk loaded for it alone, in mlx-lm's layout (MTPLX's runtime re-lays
-  the float32 dense weights it decodes with for the CPU's GEMM, see
-  `mtplx.gemm_layout`);
-- MTPLX (`MTPLXRuntime(max_batch=B)`) at each depth, and at depth "auto".
-After one short warm-up of each, the runs go in rounds (`repeats` of them,
-times 8 // prompts per run when a run has fewer than 8 prompts: such
-short runs are the noisiest, and cheap to repeat):
-a round runs the baseline once, then MTPLX at every depth, in an order that
-changes from round to round (`balanced_orders`), so a slow spell does not
-land on one depth alone, and every depth runs as often at each place in a
-round and right after each other engine. Absolute times
-on a shared machine drift, so the comparison is the median of the paired
-ratios (an engine run's tok/s / its round's baseline run's), with their min
-and max as the spread. One baseline run per round rather than one before
-every engine run buys five rounds for the time three took: on this 2-core VM
-a run now and then takes 20-50% longer, and a median of three let one such
-run move a setting's figure.
-
-tokens/s = generated tokens / wall seconds of the whole `generate` call, prefill
-included, for both engines; tokens are counted from each engine's outputs, so
-a row ended early by EOS counts what it produced (the stop token is not output
-by either engine). The `decode_*` fields divide the same tokens by the time
-outside each engine's own prompt-processing timer: `predicted_speedup`
-describes decoding only, so `measured_decode_speedup` is its counterpart.
-
-It also measures the bare costs (`mtplx.costs`) at each batch size: a
-one-token trunk step, a verify pass over k+1 tokens and a head pass, at the
-context of a batch's longest row halfway through decoding (`decode_context`),
-which give `predicted_speedup`.
-
-By default one run is one full batch: B prompts at batch size B. `--prompts N`
-runs N prompts at every batch size instead, `--prompts 1,16,16` a count per
-batch size; prompts beyond the batch size stream through its B slots,
-refilled as rows finish (continuous batching in both engines), as in a job.
-Each round takes the next prompts of the pool (every engine of a round runs
-the same ones), so that a batch size's acceptance is measured over as many
-prompts as it has rounds x prompts per run, not over its first B alone: the
-first prompt alone accepted 0.80 at depth 1 at temperature 1, where the
-model's 128 held-out prompts accept 0.70, which is what "auto" plans from.
-
-`--quick` is what `make bench` runs (QUICK below): batch sizes 1,4,16, depths
-0,1,2,3,auto, temperatures 0 and 1, 64 new tokens, prompts clipped to their
-last 128 tokens; a run is 1 prompt at batch size 1 (40 rounds), 32 streamed
-through 4 slots at batch size 4 and one batch of 16 at 16 (5 rounds each).
+Per batch size and temperature it times the mlx-lm baseline (its own load) and MTPLX at each depth in rounds
+on the same prompts, and reports medians of paired ratios. tokens/s = generated tokens / wall seconds of the
+whole `generate` call, prefill included; `decode_*` fields leave out each engine's prompt processing, as
+`predicted_speedup` (from the bare costs) does. Method: docs/performance.md, "The benchmark".
 """
 
 from __future__ import annotations
@@ -76,16 +28,8 @@ Depth = Union[int, str]
 
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
 
-# `make bench`: every depth and both temperatures, at the batch sizes the issue's
-# targets name plus 16; prompts clipped to 128 tokens so that prompt processing
-# (which speculation does not speed up) stays a minority of the wall time.
-# At batch 4 a run streams 32 prompts through the 4 slots, as a job refills
-# its slots from the queue: a run of one batch ends raggedly (its rows finish
-# at different cycles and nothing takes their slots), which at depth 3 left
-# 3.42 rows per cycle of 4 and capped its decode speed-up at 0.86 of the
-# per-row prediction; streaming 16, 3.68; 32, 3.85 (a job of thousands of rows
-# ends raggedly once). At batch 1 there is no ragged end, and at 16 a run of
-# 16 prompts already takes 1-2.5 s.
+# `make bench`: prompts clipped so prefill (which speculation does not speed up) stays a minority of the time;
+# batch 4 streams 32 prompts through its slots, as a job does, since one batch alone ends raggedly.
 QUICK = dict(
     batch_sizes=(1, 4, 16),
     depths=(0, 1, 2, 3, "auto"),
@@ -98,15 +42,8 @@ QUICK = dict(
 WARMUP_TOKENS = 16  # a warm-up run builds graphs and buffers; it need not be long
 SHORT_RUN_PROMPTS = 8  # runs of fewer prompts get proportionally more rounds (BenchPlan.rounds)
 
-# Bare-cost rounds before a batch size's runs, and after each round of runs
-# (54 in all at 5 rounds per temperature). The predictions rest on the
-# verify/step ratios, and this 2-core VM's slow spells (a step at batch 4
-# timing 3.4 ms, then 7.9 ms a few rounds on) pull a round's ratios towards 1:
-# in one process, medians of 21 consecutive rounds at batch 4 ranged over
-# 1.33-1.43 for verify k=1 over the step and 1.97-2.27 for k=3 (1.394 and
-# 2.142 over all 120 rounds), and in two `make bench` runs of 21 rounds
-# (11 first, 1 after each round) they came out at 1.24 and 1.88, which put
-# batch 4's predictions ~11% high. A round at batch 4 takes ~0.1 s, at 16 ~0.3 s.
+# Bare-cost rounds before a batch size's runs and after each round of runs, so the costs cover the same slow
+# spells as the runs they predict (docs/bench-history.md, on the bare costs' rounds).
 BARE_COST_ROUNDS_FIRST = 24
 BARE_COST_ROUNDS_BETWEEN = 3
 REPO_PROMPTS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "prompts.parquet"
@@ -158,23 +95,11 @@ class BenchPlan:
             raise ValueError("max_prompt_tokens must be >= 1")
 
     def rounds(self, batch_size: int) -> int:
-        """Rounds at one batch size: `repeats`, times SHORT_RUN_PROMPTS // prompts
-        per run when a run has fewer prompts than that. Short runs are the
-        noisiest and cheap to repeat: a one-prompt run here lasts about
-        0.3 s, and the middle 80% of 30 identical ones spanned 0.91-1.13x
-        their median; paired ratios of two one-prompt runs spread 0.62-1.33
-        over 20 rounds, a standard error of about 3% on their median (40
-        rounds since 2026-11-30, from 20). At batch 4 (0.5-0.9 s a run),
-        five rounds gave medians of paired ratios to mlx-lm of 1.256 at
-        depth 0 and 1.593 at depth 1 in a bench whose median tok/s put
-        depth 1 at 1.13x depth 0."""
+        """`repeats`, times SHORT_RUN_PROMPTS // prompts per run: short runs are noisiest and cheap to repeat."""
         return self.repeats * max(1, SHORT_RUN_PROMPTS // self.prompts_per_run(batch_size))
 
     def prompts_per_run(self, batch_size: int) -> int:
-        """One run's prompts at this batch size (default, and batch sizes a
-        dict leaves out: one full batch).
-        More than the batch size stream through its slots, refilled as rows
-        finish, in both engines."""
+        """One run's prompts at this batch size (default: one full batch; more stream through its slots)."""
         n = self.num_prompts
         if isinstance(n, dict):
             return n.get(batch_size, batch_size)
@@ -209,9 +134,6 @@ class Run:
         return tokens_per_s(self.tokens, self.seconds - self.prefill_seconds)
 
 
-# ------------------------------------------------------------------ public API
-
-
 def run_bench(
     model_path=None,
     *,
@@ -226,10 +148,8 @@ def run_bench(
     progress: bool = True,
     max_prompt_tokens: Optional[int] = None,
 ) -> List[dict]:
-    """Run the benchmark; returns the records (a header, then one per
-    (engine, batch size, depth, temperature)). `prompts`: strings or token
-    lists (default: the held-out prompts of jobs/data/prompts.parquet);
-    `max_prompt_tokens`: keep only each prompt's last N tokens (None: whole)."""
+    """-> a header record, then one per (engine, batch size, depth, temperature). `prompts`: strings or token
+    lists (default: the held-out prompts); `max_prompt_tokens`: keep each prompt's last N tokens."""
     import mlx.core as mx
 
     from mtplx import load
@@ -253,8 +173,7 @@ def run_bench(
     if 0 not in plan.depths:  # measured_speedup is over MTPLX's plain decoding in the same rounds
         plan = replace(plan, depths=(0,) + plan.depths)
         _notice("depth 0 added: measured speed-ups are over MTPLX's plain decoding, run in the same rounds")
-    # The baseline gets its own load, in mlx-lm's layout: MTPLX's runtime
-    # re-lays the weights it decodes with for the CPU's GEMM (mtplx.gemm_layout).
+    # The baseline's own load keeps mlx-lm's layout; the runtime re-lays its weights (backends.cpu.gemm_layout).
     reference = load(path)
     texts, source = (list(prompts), "given") if prompts is not None else default_prompts()
     pool = encode_prompts(model.tokenizer, texts, plan.max_prompt_tokens)
@@ -276,9 +195,7 @@ def _notice(message: str) -> None:
 
 
 def _depths_the_model_can_run(plan: BenchPlan, model, path: Path) -> BenchPlan:
-    """Without an MTP head only plain decoding runs: the speculative fixed
-    depths are left out (auto then plans plain decoding), or a clear error
-    when nothing else was asked for."""
+    """Without an MTP head only depths 0 and "auto" run: drop the others (a notice), or an error if none."""
     drafting = [d for d in plan.depths if d not in (0, "auto")]
     if model.head is not None or not drafting:
         return plan
@@ -293,9 +210,7 @@ def _depths_the_model_can_run(plan: BenchPlan, model, path: Path) -> BenchPlan:
 
 
 def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B: int, log) -> List[dict]:
-    """Every temperature x depth at batch size B, with the bare costs sampled
-    before and between the rounds (`reference`: the same checkpoint loaded
-    for the mlx-lm baseline)."""
+    """Every temperature x depth at batch size B (`reference`: the mlx-lm baseline's own load)."""
     from mtplx.autodepth.costs import BareCostSampler
     from mtplx.decode.contract import MTPContract
     from mtplx.runtime import MTPLXRuntime
@@ -321,18 +236,8 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
 
 
 def decode_context(batches: Sequence[List[List[int]]], batch_size: int, max_tokens: int) -> int:
-    """The context the bare costs are timed at: a batch's longest row's,
-    halfway through decoding, averaged over the batches the runs fill.
-
-    A batched pass reads every row's keys up to the longest row (then on to
-    a whole bucket, `cache.read_span`), so a batch decodes at its longest
-    row's context, not at its rows' mean. A run's prompts fill the slots
-    `batch_size` at a time, in order. Timed at the rows' mean instead, the
-    bare passes at batch 4 read 128 positions where the runtime's cycles
-    read 176-180 on average (the bench's 32 prompts, 64 new tokens), and a
-    verify's cost grows faster with the span than a step's (at context 180
-    over 120, verify k=3 over the step 2.204 against 2.057), so the
-    predicted speed-ups read 4-6% high."""
+    """Context of the bare costs: a batch's longest row's (a batched pass reads every row that far), halfway
+    through decoding, averaged over the runs' batches (docs/bench-history.md, "Two corrections")."""
     groups = [batch[i : i + batch_size] for batch in batches for i in range(0, len(batch), batch_size)]
     return round(statistics.mean(max(len(p) for p in group) for group in groups) + max_tokens / 2)
 
@@ -346,18 +251,15 @@ def run_rounds(
     plan: BenchPlan,
     between_rounds: Callable[[], None] = lambda: None,
 ):
-    """The baseline and every depth at one (batch size, temperature), round r
-    on batches[r], after a warm-up on the first:
-    (baseline runs, {depth: [(its round's baseline run, run)]})."""
+    """The baseline and every depth at one (batch size, temperature), round r on batches[r], after a
+    warm-up on the first: -> (baseline runs, {depth: [(its round's baseline run, run)]})."""
     warmup = min(plan.max_tokens, WARMUP_TOKENS)
     baseline = partial(run_baseline, reference, temperature=t, seed=plan.seed, batch_size=B)
     baseline(batches[0], max_tokens=warmup)
     engines = {d: partial(run_engine, rt, temperature=t, seed=plan.seed) for d, rt in runtimes.items()}
     for engine in engines.values():
         engine(batches[0], max_tokens=warmup)
-    # Rounds go over every depth in turn, so a slow spell of the machine hits
-    # all depths alike instead of one depth's whole series; the order changes
-    # from round to round (balanced_orders).
+    # Every depth in each round, so a slow spell of the machine hits all depths alike.
     pairs: Dict[Depth, List[Tuple[Run, Run]]] = {d: [] for d in runtimes}
     base_runs: List[Run] = []
     depths, orders = list(engines), balanced_orders(len(engines))
@@ -372,21 +274,9 @@ def run_rounds(
 
 
 def balanced_orders(n: int) -> List[List[int]]:
-    """Orders of n engines, one per round, in which every engine runs at
-    every position and right after every other engine (or the baseline)
-    equally often: a Williams design, n orders for even n, 2n for odd n
-    (each order then followed by its reverse, so that five rounds of five
-    engines already give each engine four or five different predecessors).
-
-    A plain rotation keeps each engine's predecessor fixed (auto ran right
-    after depth 3 unless it opened the round), and a run's speed can depend
-    on the run before it. With a second runtime of one fixed depth in auto's
-    place, rounds of depths 0-3 and that twin measured the twin, against the
-    same depth, at 0.950 [0.898, 1.077] (batch 4, 14 rounds), 0.972 [0.938,
-    0.998] and 0.990 [0.976, 1.007] (batch 1, 80 and 128 rounds): up to a few
-    percent that auto's figure carried and no engine's own speed explains.
-    In these orders the batch-1 twin measured 0.996 [0.980, 1.016] (128
-    rounds)."""
+    """Orders of n engines, one per round, in which every engine runs at every position and right after every
+    other (or the baseline) equally often: a Williams design, n orders for even n, 2n for odd n (each followed
+    by its reverse). A plain rotation fixes each engine's predecessor, and that can move its speed."""
     if n < 2:
         return [list(range(n))]
     first, low, high = [0], 1, n - 1
@@ -427,9 +317,6 @@ def setting_records(
     add_measured_speedups(records)
     add_auto_vs_best(records)
     return [baseline_record(B, t, base_runs, plan)] + records
-
-
-# ------------------------------------------------------------------ runs
 
 
 def run_baseline(
@@ -477,17 +364,12 @@ def run_engine(rt, prompts: List[List[int]], max_tokens: int, temperature: float
     return Run(sum(len(c.tokens) for c in outs), seconds, prefill, outs, rt.stats["cycles"] - cycles_before, by_depth)
 
 
-# ------------------------------------------------------------------ records
-
-
 def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]], costs, plan: BenchPlan) -> dict:
     engine_runs = [e for _, e in pairs]
     ratios = paired_ratios([(b.tokens_per_s, e.tokens_per_s) for b, e in pairs])
     completions = [c for run in engine_runs for c in run.completions]
     acc = acceptance_summary(completions, rt.depth)
-    # Rows live per cycle: below B where rows of one batch end at different
-    # cycles. predicted_speedup counts each row's own cycles, so this is the
-    # share of it a batch that ends raggedly can reach (shrinking aside).
+    # Below B where rows end at different cycles: predicted_speedup counts each row's own cycles.
     batch_cycles = sum(e.cycles for e in engine_runs)
     acc["rows_per_cycle"] = acc["row_cycles"] / batch_cycles if batch_cycles else None
     acc["cycles"] = batch_cycles
@@ -495,12 +377,8 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
     if auto:  # the runtime's record, with the cycle counts of these timed runs only
         by_depth = {k: sum(e.cycles_by_depth.get(k, 0) for e in engine_runs) for k in auto["cycles_by_depth"]}
         auto = {**copy.deepcopy(auto), "cycles_by_depth": by_depth}
-    # Under "auto" cycles may run at several depths: the prediction uses their mix.
     mix = _depth_mix(auto["cycles_by_depth"] if auto else None, rt.depth)
-    # Each round's own prediction, from its own prompts' acceptance: at batch 1
-    # a round is one prompt, whose acceptance alone moved the prediction over
-    # 1.18-1.76 in 40 rounds at depth 3, so a round's speed-up is only
-    # comparable with its own prediction (`add_measured_speedups`).
+    # Each round's own prediction from its own prompts' acceptance; "auto" by its mix of depths.
     run_predicted = [
         predicted_from_ideal(
             costs,
@@ -535,8 +413,7 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
 
 
 def _depth_mix(cycles_by_depth: Optional[Dict[str, int]], depth: int) -> Dict[int, int]:
-    """{k: cycles} of the depths an "auto" engine's cycles ran at, or {depth: 1}
-    for a fixed depth (and for auto runs without cycles)."""
+    """{k: cycles} of the depths an "auto" engine's cycles ran at, or {depth: 1} (fixed depth, no cycles)."""
     mix = {int(k): n for k, n in (cycles_by_depth or {}).items() if n}
     return mix or {depth: 1}
 
@@ -581,18 +458,9 @@ def _run_fields(runs: List[Run], plan: BenchPlan, B: int) -> dict:
 
 
 def add_measured_speedups(records: List[dict]) -> None:
-    """measured_speedup = tokens/s over MTPLX depth 0 at the same (B, t): the
-    median over rounds of a depth's run over depth 0's run of the same round.
-    A round's runs are seconds apart, so drift of the shared machine mostly
-    cancels; going through each run's own mlx-lm baseline instead would add
-    two more runs' noise to every ratio. measured_decode_speedup: the same
-    without prompt processing, which is what predicted_speedup describes.
-
-    decode_over_predicted: the median over rounds of a round's decode
-    speed-up over that round's own prediction (`run_predicted_speedups`).
-    Dividing the median speed-up by the prediction from every round's
-    acceptance pooled would compare the speed-up of a middling round's
-    prompts with the acceptance of all of them."""
+    """measured_speedup: median over rounds of a depth's run over depth 0's run of the same round (drift
+    mostly cancels); measured_decode_speedup: the same without prefill; decode_over_predicted: median over
+    rounds of a round's decode speed-up over its own prediction."""
     plain = next((r for r in records if r["depth"] == 0), None)
     if plain is None:
         return
@@ -612,18 +480,9 @@ def add_measured_speedups(records: List[dict]) -> None:
 
 
 def add_auto_vs_best(records: List[dict]) -> None:
-    """On the "auto" record: `best_fixed_depth`, the fixed depth (0 included)
-    with the highest ratio_vs_mlx_lm, and `auto_vs_best`, the median over
-    rounds of auto's run over the best fixed depth's run of the same round,
-    where the depth a round is paired with is the best on the other rounds:
-    the even rounds' on the odd ones and the odd rounds' on the even ones.
-
-    Picked on the same rounds, the best is the largest of several noisy
-    medians, and the runs it is paired with are the ones that made it look
-    best: where depths run within a few percent of each other (batch 1 here)
-    auto then comes out a few percent under whichever it matches (that figure
-    stays as `auto_vs_best_same_rounds`). Dividing the two medians against
-    mlx-lm would also carry four runs' noise."""
+    """On the "auto" record: `best_fixed_depth` (highest ratio_vs_mlx_lm) and `auto_vs_best`, the median of
+    auto's run over that of the depth best on the rounds of the other parity: picked on the same rounds, the
+    best of several noisy medians is biased high (that figure stays as `auto_vs_best_same_rounds`)."""
     auto = next((r for r in records if r["depth"] == "auto"), None)
     fixed = [r for r in records if r["depth"] != "auto" and r["ratio_vs_mlx_lm"] is not None]
     if auto is None or not fixed:
@@ -640,9 +499,7 @@ def add_auto_vs_best(records: List[dict]) -> None:
 
 
 def _cross_fitted_auto_ratios(auto: dict, fixed: List[dict]) -> Optional[List[float]]:
-    """auto's run over the run of the depth best on the rounds of the other
-    parity, round by round (`add_auto_vs_best`); None under two rounds or
-    without a per-round ratio of every fixed depth."""
+    """`add_auto_vs_best`'s ratios; None under two rounds or without every fixed depth's per-round ratios."""
     rounds = len(auto["run_tokens_per_s"])
     aligned = all(len(r.get("paired_ratios") or ()) == rounds for r in fixed)
     if rounds < 2 or not aligned:
@@ -659,9 +516,6 @@ def _cross_fitted_auto_ratios(auto: dict, fixed: List[dict]) -> Optional[List[fl
 
 def _median_or_none(xs: Sequence[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
-
-
-# ------------------------------------------------------------------ statistics
 
 
 def tokens_per_s(tokens: int, seconds: float) -> float:
@@ -685,18 +539,12 @@ def ratio_summary(ratios: Sequence[float]) -> dict:
     }
 
 
-# Confidence of the intervals given beside each median of paired ratios.
-CI_LEVEL = 0.9
+CI_LEVEL = 0.9  # confidence of the interval given beside each median of paired ratios
 
 
 def median_interval(xs: Sequence[float], level: float = CI_LEVEL) -> Optional[List[float]]:
-    """A distribution-free confidence interval for the median of the
-    distribution xs were drawn from: the order statistics [x_(j), x_(n+1-j)]
-    with the largest j whose coverage, 1 - 2 P(Binomial(n, 1/2) < j), is at
-    least `level`. None when even [min, max] falls short (fewer than 5
-    values at 90%). Rounds are independent draws of a run's noise, and the
-    interval assumes nothing about its shape: on this VM one slow spell
-    makes a round an outlier."""
+    """Distribution-free interval for the median: [x_(j), x_(n+1-j)] with the largest j whose coverage,
+    1 - 2 P(Binomial(n, 1/2) < j), is at least `level`; None when even [min, max] falls short (n < 5 at 90%)."""
     n = len(xs)
     below, j = 0, 0  # below: P(Binomial(n, 1/2) < j + 1) x 2^n
     while j < n // 2:
@@ -711,13 +559,8 @@ def median_interval(xs: Sequence[float], level: float = CI_LEVEL) -> Optional[Li
 
 
 def acceptance_summary(completions, depth: int) -> dict:
-    """Job-level acceptance over completions, as DESIGN.md "Metrics" defines it.
-
-    acceptance_by_depth[i]: cumulative rate, sum accepted_by_depth[i] / sum drafted_by_depth[i];
-    ideal_tokens_per_cycle: 1 + sum(accepted_by_depth) / cycles;
-    mean_accepted_length: tokens the cycles delivered / cycles; below the ideal
-        only where a stop token cut a cycle's run short.
-    """
+    """Job-level acceptance over completions, as docs/design.md "Metrics" defines it (acceptance_by_depth[i] is
+    cumulative; mean_accepted_length is under ideal_tokens_per_cycle only where a stop token cut a cycle)."""
     cycles = sum(c.steps for c in completions)
     drafted = [sum(c.drafted_by_depth[i] for c in completions if i < len(c.drafted_by_depth)) for i in range(depth)]
     accepted = [sum(c.accepted_by_depth[i] for c in completions if i < len(c.accepted_by_depth)) for i in range(depth)]
@@ -733,18 +576,12 @@ def acceptance_summary(completions, depth: int) -> dict:
 
 
 def predicted_from_ideal(costs, ideal_tokens_per_cycle: Optional[float], depth) -> Optional[float]:
-    """ideal tokens per cycle x one-token step time / (verify time + k head times).
-
-    `depth` is k, or {k: cycles} when cycles ran at several depths ("auto"):
-    then the cycle time is their weighted mean."""
+    """ideal x step time / (verify + k head times); `depth`: k, or {k: cycles} (weighted mean cycle time)."""
     if ideal_tokens_per_cycle is None:
         return None
     mix = depth if isinstance(depth, dict) else {depth: 1}
     cycle = sum(n * costs.cycle_s(k) for k, n in mix.items()) / sum(mix.values())
     return ideal_tokens_per_cycle * costs.step_s / cycle
-
-
-# ------------------------------------------------------------------ header
 
 
 def header_record(model_path: Path, plan: BenchPlan, num_prompts: int, prompt_source: str) -> dict:
@@ -815,9 +652,7 @@ def versions() -> dict:
 
 
 def allocator_in_use() -> str:
-    """The malloc this process runs on. MLX's CPU backend mallocs every
-    buffer: under glibc's malloc mlx-lm and MTPLX alike ran about 1.4x
-    slower than under jemalloc here (pipeline.preload)."""
+    """The malloc in use: glibc's slows MLX (docs/performance.md, "OpenBLAS, jemalloc and OpenBLAS's threads")."""
     for lib in _mapped_libraries(("jemalloc", "tcmalloc", "mimalloc")):
         return Path(lib).name
     return "glibc malloc" if sys.platform.startswith("linux") else "system malloc"
@@ -837,10 +672,7 @@ def _mapped_libraries(parts: Sequence[str]) -> List[str]:
 
 
 def blas_in_use() -> dict:
-    """The BLAS libraries mapped into this process (Linux), and LD_PRELOAD.
-
-    mlx-cpu's own reference BLAS is ~15x slower than OpenBLAS, so numbers
-    without OpenBLAS mapped are not comparable to ones with it."""
+    """The BLAS mapped into this process (Linux): runs on mlx-cpu's reference BLAS compare with no others."""
     from mtplx.backends import blas_info
 
     libs_sorted = _mapped_libraries(("blas", "lapack", "mkl"))
@@ -855,30 +687,23 @@ def blas_in_use() -> dict:
         "name": name,
         "libraries": libs_sorted,
         "ld_preload": preload or None,
-        # How long idle OpenBLAS threads spin before sleeping (pipeline.preload).
         "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
-        # The kernels OpenBLAS runs (OPENBLAS_CORETYPE can force them): for a
-        # batch-4 verify on an AVX-512 EPYC Haswell's took ~1.4x SkylakeX's time.
+        # Its kernels (OPENBLAS_CORETYPE can force them; they change the speed a lot).
         "openblas_core": blas_info()["core"] if name == "OpenBLAS" else None,
-        # Its threads outside decode cycles (small ones run on one, mtplx.blas_threads).
+        # Its threads outside decode cycles (small ones run on one, backends.cpu.blas_threads).
         "openblas_threads": blas_info()["threads"] if name == "OpenBLAS" else None,
     }
 
 
 def _mlx_may_use(lib: str) -> bool:
-    """False for a BLAS a wheel bundles for itself under a private name
-    (numpy's and scipy's libscipy_openblas, in their *.libs folders): it is
+    """False for a BLAS a wheel bundles under a private name (numpy's libscipy_openblas, in *.libs): it is
     mapped into every process that imports numpy, and MLX never calls it."""
     name = Path(lib).name.lower()
     return not ("scipy_openblas" in name or Path(lib).parent.name.endswith(".libs"))
 
 
-# ------------------------------------------------------------------ prompts
-
-
 def default_prompts() -> Tuple[List[str], str]:
-    """(prompts, source): the held-out prompts of jobs/data/prompts.parquet when
-    this is a source checkout with pyarrow, else the built-in snippets."""
+    """(prompts, source): the held-out prompts of a source checkout (needs pyarrow), else the built-in ones."""
     try:
         import pyarrow.parquet as pq
 
@@ -894,8 +719,7 @@ def default_prompts() -> Tuple[List[str], str]:
 def encode_prompts(
     tokenizer, prompts: Sequence[Union[str, Sequence[int]]], max_tokens: Optional[int] = None
 ) -> List[List[int]]:
-    """Token lists; clipped to their last `max_tokens` tokens, the context
-    the completion continues from."""
+    """Token lists, clipped to their last `max_tokens` tokens (the context a completion continues from)."""
     pool = [tokenizer.encode(p) if isinstance(p, str) else [int(x) for x in p] for p in prompts]
     if not pool or not all(pool):
         raise ValueError("the bench needs at least one prompt, and no empty ones")
@@ -911,9 +735,6 @@ def _progress_printer(enabled: bool) -> Callable[[str], None]:
     if not enabled:
         return lambda s: None
     return lambda s: print(s, file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------ command line
 
 
 def _ints(text: str) -> Tuple[int, ...]:
@@ -978,8 +799,7 @@ def prompts_by_batch_size(counts: Sequence[int], batch_sizes: Sequence[int]) -> 
 
 
 def main(argv=None) -> int:
-    """The command: 0 on success, 2 with one line on stderr for a problem a
-    user can fix (no default model, bad settings, no matplotlib for --plot)."""
+    """The command: 0 on success, 2 with one line on stderr for a problem a user can fix."""
     args = parse_args(argv)
     try:
         return _run_command(args)

@@ -1,18 +1,6 @@
-"""The token decisions of a decode cycle as compiled graphs: the drafter's
-choice at each depth (step 1, traced inside mtplx.draft_chain) and accept
-(step 3).
-
-After the verify pass every row decides, from the target logits and its
-drafts, how many drafts it accepts and which token it emits next. At decode
-batch sizes these are dozens of small ops, each of which costs the CPU
-backend more to dispatch than to run; `mx.compile` turns them into a few
-fused kernels. The graph is traced once per shape and per static setting
-(all rows greedy or not, the acceptance rule, top-k/p filtering, logprobs).
-
-Non-finite target logits: a position j only matters if the row gets that
-far. Its drafts stop before j (num_valid), and the row errors only if j is
-where it decides (`bad`).
-"""
+"""A cycle's token decisions as compiled graphs: the draft choice (traced in
+decode.draft) and accept. A non-finite target position j stops a row's
+drafts (num_valid) and errors it only if j is decided (`bad`)."""
 
 from __future__ import annotations
 
@@ -59,10 +47,9 @@ def decide(
     logprobs: bool,
     compiled: bool = True,
 ) -> Decision:
-    """logits [B, k+1, V] of the verify, drafts [B, k], q [B, k, V] the draft
-    distributions (None when greedy or k = 0), num_valid [B], active [B],
-    draws the cycle's randomness (None when every row is greedy;
-    `cycle_draws`)."""
+    """logits [B, k+1, V] of the verify, drafts [B, k], q [B, k, V] (None when
+    greedy or k = 0), num_valid [B], active [B], draws (`cycle_draws`; None
+    when every row is greedy)."""
     greedy = sampling.all_greedy
     fn = _decide_fn(greedy, sampling.any_filter, sampling.any_greedy, rule, logprobs, q is not None, compiled)
     args = [logits, drafts, num_valid, active]
@@ -117,16 +104,10 @@ def choose_draft(
     any_greedy: bool,
     rule: str,
 ):
-    """The drafter's token at one depth: head logits [B, V], the drafted
-    position's `cycle_draws` [B, 1, ...] and `sampling_arrays` (unused when
-    every row is greedy) -> d [B, 1] and q [B, 1, V] (None when greedy). A head gone
-    non-finite only costs acceptance: any q is exact, so its rows draft from
-    the uniform. Traced inside `draft_chain.DraftChain`.
-
-    A greedy draft is only a guess that the verify checks, so it needs
-    neither the guard nor the trunk's tie rule (`greedy_tokens`): a plain
-    argmax (two ops where those were eleven per depth) is a valid token id
-    even over NaN logits."""
+    """The draft at one depth: head logits [B, V], `cycle_draws` [B, 1, ...],
+    `sampling_arrays` -> d [B, 1], q [B, 1, V] (None when greedy). Any q is
+    exact, so a non-finite head drafts from the uniform, and a greedy draft
+    needs no guard or tie rule (the verify checks it)."""
     if greedy:
         return mx.argmax(logits, axis=-1).astype(mx.int32)[:, None], None  # [B, 1]
     logits = replace_nonfinite_rows(logits, nonfinite_rows(logits))  # [B, V]
@@ -137,11 +118,8 @@ def choose_draft(
 
 
 def cycle_draws(key_base: mx.array, positions: mx.array, rule: str, compiled: bool = True) -> mx.array:
-    """The randomness a sampled cycle's graphs take, for the completion
-    positions [B, k+1] it decides from each row's `row_key_base` [B]: under
-    the residual rule its uniforms [B, k+1, 3] (`residual_uniforms`), drawn
-    in one run of hash ops; under the coupled rule the position keys
-    [B, k+1, 2], whose Gumbel noise over the vocabulary the graphs draw."""
+    """A sampled cycle's randomness at positions [B, k+1] from `row_key_base`
+    [B]: residual, the uniforms [B, k+1, 3]; coupled, the keys [B, k+1, 2]."""
     if rule == "residual":
         return residual_uniforms(key_base, positions, compiled=compiled)
     return keys_from_base(key_base, positions, compiled=compiled)
@@ -153,11 +131,10 @@ def sampling_arrays(bs: BatchSampling) -> list:
 
 
 def _sampling_from(arrays, any_filter: bool, any_greedy: bool) -> BatchSampling:
-    """BatchSampling inside a traced graph, from `_sampling_arrays` (some row samples)."""
+    """BatchSampling inside a traced graph, from `sampling_arrays` (some row samples)."""
     return BatchSampling(*arrays, any_filter=any_filter, all_greedy=False, any_greedy=any_greedy)
 
 
 def forget_traces() -> None:
-    """Drop the traced graphs: a trace holds the sampling functions as they
-    were when it was made (a test that plants a bug must trace anew)."""
+    """Drop the traced graphs (a test that patches the sampling functions must retrace)."""
     _decide_fn.cache_clear()

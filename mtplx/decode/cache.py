@@ -1,18 +1,7 @@
-"""Batch caches with one slot per row and per-row commit/rollback.
-
-Every row of a decode batch owns one slot. A slot's valid length moves on its
-own, so rolling back rejected draft entries is `lengths -= k - a_b`: nothing
-moves in memory. Entries past a row's length are masked, new entries are
-stored with non-finite values as 0, and a slot is zeroed when its row leaves:
-a NaN in a masked V entry would still poison attention (0 x NaN).
-
-`SlotKVCache` implements the cache protocol mlx-lm's attention layers call
-(`offset`, `update_and_fetch`, `make_mask`), so no model file is forked.
-`SlotGDNCache` holds gated-delta (linear attention) state, which cannot be
-trimmed; the verify-time forward keeps the state after each verified step and
-the conv input window, so commit selects each row's state at its accepted
-position.
-"""
+"""Batch caches with one slot per row and per-row rollback (docs/design.md,
+"Slot caches and per-row rollback"). `SlotKVCache` speaks mlx-lm's attention
+cache protocol and rolls back by length; `SlotGDNCache` holds gated-delta
+state, of which commit selects each row's step."""
 
 from __future__ import annotations
 
@@ -25,8 +14,8 @@ from mtplx.backends import RopeSpec, rope_angles
 _STEP = 256  # capacity grows in multiples of this many positions
 
 
-# A compiled pass reads keys up to a multiple of this many positions, not the
-# whole capacity: one trace per bucket a batch's lengths pass through.
+# A compiled pass reads keys up to a multiple of this, not the whole
+# capacity: one trace per bucket (docs/performance.md).
 SPAN_BUCKET = 64
 
 
@@ -36,27 +25,14 @@ def rounded_capacity(needed: int) -> int:
 
 
 def read_span(needed: int, capacity: int) -> int:
-    """Positions a compiled pass reads from a slot cache of `capacity` when
-    its rows hold at most `needed` (writes included): `needed` rounded up to
-    a whole SPAN_BUCKET. Read over the whole capacity, a batch of short rows
-    paid for every position of it: 16,000 sampled rows of under 16 positions
-    on a tiny test checkpoint at batch 1024 took 22.4 s against 18.5 s (the
-    rest is the copy each write makes of the whole cache), and the built-in
-    model decoded 2-15% faster at batch 4-64 with a bucket (paired medians,
-    prompts of 16-128 tokens, 64 new)."""
+    """Positions a compiled pass reads from a cache of `capacity` whose rows
+    hold at most `needed` (writes included), rounded up to a SPAN_BUCKET."""
     return min(capacity, -(-max(needed, 1) // SPAN_BUCKET) * SPAN_BUCKET)
 
 
 def put_rows(full: mx.array, rows: Sequence[int], values: Union[mx.array, float]) -> mx.array:
-    """`full` [B, ...] with rows `rows` (host ints, distinct) replaced by
-    `values` ([len(rows), ...] in that order, or a scalar).
-
-    Every row at once is `values` itself and one run of consecutive rows one
-    slice update; only other sets of rows take a scatter, which MLX's CPU
-    backend runs element by element: loading 4 rows into a [4, 2, 256, 24]
-    key cache took 323 us as a scatter and 111 us as a slice update (16
-    rows into 16: 1084 against 216), and a batch's loads write every
-    attention layer's keys and values."""
+    """`full` [B, ...] with distinct host rows `rows` set to `values` ([R, ...] or a
+    scalar); consecutive rows take a slice update (MLX's CPU scatter is slow)."""
     R = len(rows)
     if R == 0:
         return full
@@ -75,8 +51,7 @@ def put_rows(full: mx.array, rows: Sequence[int], values: Union[mx.array, float]
 
 
 def _finite_or_zero(x: mx.array) -> mx.array:
-    # A Python 0.0 takes x's dtype and is a constant; mx.zeros((), dtype)
-    # was a Full node of its own in every attention layer's pass.
+    # A Python 0.0 is a constant of x's dtype, not a graph node.
     return mx.where(mx.isfinite(x), x, 0.0)
 
 
@@ -86,13 +61,8 @@ def _query_positions(lengths: mx.array, T: int) -> mx.array:
 
 
 class PassPositions(NamedTuple):
-    """What every attention layer of one pass derives from the rows'
-    lengths alone: which keys each query sees and where the new entries go.
-    On the CPU backend each is a handful of small ops that cost more to
-    dispatch than to run; the trunk's layers all hold the same lengths, so a
-    pass makes them once for all its layers (`mtplx.compiled.SlotPass`).
-    So are the RoPE angles, where the layers rotate with them
-    (`mtplx.rope_angles`)."""
+    """What attention layers derive from the rows' lengths alone, made once
+    per pass for all of them (`passes.SlotPass`)."""
 
     mask: mx.array  # bool [B, 1, T, S]: query t of row b sees keys j <= lengths[b] + t
     write_index: mx.array  # int32 [B, 1, T, 1]: where a pass writes each row's keys and values
@@ -104,9 +74,8 @@ class PassPositions(NamedTuple):
 
 
 def pass_positions(lengths: mx.array, T: int, span: int, rope: Optional[RopeSpec] = None) -> PassPositions:
-    """`PassPositions` of a pass of T positions reading `span` keys from
-    caches whose rows hold `lengths` [B] entries before it, with the RoPE
-    angles of `rope` at those positions when given."""
+    """`PassPositions` of a pass of T positions reading `span` keys, rows
+    holding `lengths` [B] before it (RoPE angles when `rope` is given)."""
     q = _query_positions(lengths, T)  # [B, T]
     mask = mx.arange(span)[None, None, :] <= q[:, :, None]  # [B, T, S]
     angles = rope_angles(lengths, T, rope) if rope is not None else (None, None)
@@ -114,12 +83,9 @@ def pass_positions(lengths: mx.array, T: int, span: int, rope: Optional[RopeSpec
 
 
 class SlotKVCache:
-    """Attention KV with a write position per row.
-
-    `lengths[b]` is the number of valid entries of row b, which is also the
-    RoPE position of the next token written to that row. `host_max` mirrors
-    max(lengths) on the host so the fetched span never needs a device sync.
-    """
+    """Attention KV with a write position per row. `lengths[b]`: row b's
+    valid entries (its next RoPE position); `host_max` bounds max(lengths)
+    on the host, so the fetched span needs no device sync."""
 
     per_row_lengths = True  # what the CPU attention form tells a slot cache by
 
@@ -129,11 +95,10 @@ class SlotKVCache:
         self.values: Optional[mx.array] = None  # [B, H, C, Dv]
         self.lengths = mx.zeros((batch_size,), dtype=mx.int32)  # [B]
         self.host_max = 0
-        # Inside a compiled pass: the mask and write index of its span, made
-        # once for every attention layer of the pass (`PassPositions`).
+        # Inside a compiled pass: its shared `PassPositions`.
         self.positions: Optional["PassPositions"] = None
 
-    # -- the protocol mlx-lm attention layers use --------------------------
+    # mlx-lm's attention cache protocol.
     @property
     def offset(self) -> mx.array:
         return self.lengths
@@ -148,17 +113,11 @@ class SlotKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, T, _ = keys.shape  # [B, H, T, Dk]
-        # Entries past a row's length are masked, but attention multiplies
-        # their values by a weight of exactly 0, and 0 x NaN is NaN: a
-        # rejected draft whose forward went non-finite would poison the
-        # positions before it in its own verify and every later read of the
-        # slot. Stored as 0 instead, they stay harmless; an entry the row
-        # keeps carries its non-finite hidden state on the residual stream,
-        # so that position's logits still flag the row (mtplx.decide).
+        # Masked entries still meet a weight of 0, and 0 x NaN is NaN. A kept
+        # entry's non-finite state still reaches its logits (decode.accept).
         keys, values = _finite_or_zero(keys), _finite_or_zero(values)
         self._reserve(self.host_max + T, keys, values)
-        # (Outside a shared pass the mask made beside the index is never
-        # evaluated: nothing reads it.)
+        # (Outside a shared pass the mask made beside the index is never evaluated.)
         idx = (self.positions or pass_positions(self.lengths, T, self.host_max + T)).write_index  # [B, 1, T, 1]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
@@ -169,7 +128,6 @@ class SlotKVCache:
     def is_trimmable(self):
         return False
 
-    # -- what the runtime calls --------------------------------------------
     def reserve(self, needed: int):
         """Grow the capacity to at least `needed` positions (keys must exist)."""
         self._reserve(needed, self.keys, self.values)
@@ -189,15 +147,13 @@ class SlotKVCache:
             self.values = mx.concatenate([self.values, new_v], axis=2)
 
     def set_lengths(self, lengths: mx.array, host_max: int):
-        """Commit: keep `lengths[b]` entries of each row (rollback is free).
-        An int32 array is kept as it is, so that caches handed one array
-        share it (`mtplx.compiled._positions`)."""
+        """Commit: keep `lengths[b]` entries of each row. An int32 array is
+        kept as is, so caches handed one array share it (`passes._positions`)."""
         self.lengths = lengths if lengths.dtype == mx.int32 else lengths.astype(mx.int32)
         self.host_max = int(host_max)
 
     def write_rows(self, rows: Sequence[int], keys: mx.array, values: mx.array, lengths: mx.array, host_max: int):
-        """Replace whole slots: slots `rows` (host ints) get keys/values
-        [R, H, L, D] (zero past them) and lengths [R]."""
+        """Replace slots `rows` (host ints) with keys/values [R, H, L, D] and lengths [R]."""
         L = keys.shape[2]
         if L == 0:  # nothing to write (one-token prompts have no head pairs)
             self.zero_rows(rows, host_max)
@@ -241,12 +197,9 @@ class SlotKVCache:
 
 
 class SlotGDNCache:
-    """Gated-delta state per row: the conv window and the recurrent state.
-
-    During verify the layer's own forward (see `families/qwen.py`) stores the
-    state after each step and the conv input in `pending`; `commit_gdn` keeps,
-    per row, the state after its accepted position.
-    """
+    """Gated-delta state per row: conv window and recurrent state. A verify
+    (`models.families.qwen`) leaves each step's state and the conv input in
+    `pending`; `commit_gdn` keeps each row's at its accepted position."""
 
     keeps_steps = True  # how a family's layer tells its verify cache from a prompt's
 
@@ -272,8 +225,7 @@ class SlotGDNCache:
         self.state = put_rows(self.state, rows, state)
 
     def take_rows(self, rows: mx.array) -> "SlotGDNCache":
-        """A cache of len(rows) slots holding slots `rows` of this one
-        (between cycles: nothing pending)."""
+        """A cache of slots `rows` of this one (between cycles: nothing pending)."""
         out = SlotGDNCache(rows.shape[0])
         if self.conv is not None:
             out.conv, out.state = self.conv[rows], self.state[rows]  # [R, K-1, C], [R, Hv, Dv, Dk]
@@ -291,9 +243,7 @@ class SlotGDNCache:
 
 def commit_gdn(caches: List["SlotGDNCache"], keep: mx.array, all_kept: bool, compiled: bool = True):
     """Commit every gated-delta cache of a verify: row b keeps `keep[b]` of
-    the T verified steps (keep <= T; 0, an empty slot, keeps 1). Compiled,
-    all layers' selects run as one fused graph instead of a few small ops
-    per layer."""
+    the T steps (0, an empty slot, keeps 1); compiled, as one graph."""
     layers = [c for c in caches if isinstance(c, SlotGDNCache) and c.pending is not None]
     pending = [c.pending for c in layers]
     for c in layers:
@@ -306,9 +256,8 @@ def commit_gdn(caches: List["SlotGDNCache"], keep: mx.array, all_kept: bool, com
 
 
 def _kept_states(keep: mx.array, pending: list) -> list:
-    """Per layer (conv_input [B, K-1+T, C], T x state [B, Hv, Dv, Dk]) -> the
-    conv window and state after step keep[b] of each row. A select per
-    candidate step rather than a gather over a stacked copy: T is small."""
+    """Per layer (conv_input [B, K-1+T, C], T x state [B, Hv, Dv, Dk]) -> conv
+    window and state after step keep[b]; a select per step, T is small."""
     keep = mx.maximum(keep, 1)  # [B]
     out = []
     for conv_input, states in pending:

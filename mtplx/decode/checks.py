@@ -1,7 +1,6 @@
-"""Checks of what callers hand `MTPLXRuntime.generate` and `Request`, with
-messages that name the problem: a mistake here would otherwise fail deep in
-the decode loop, or silently (a lone string taken as one prompt per
-character, float ids truncated)."""
+"""Checks of what callers hand `BatchRuntime.generate` and `Request`, so a
+mistake fails early with a clear message rather than deep in the decode
+loop or silently (a lone string read as one prompt per character)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ class PromptError(ValueError):
 
 
 def positive_int(name: str, v) -> int:
-    # Integral covers numpy ints (from a DataFrame, say); bool and float are
-    # mistakes that would otherwise fail deep in the decode loop.
+    # Integral covers numpy ints; bool and float are mistakes.
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be an integer >= 1, got {v!r}")
     if v < 1:
@@ -51,8 +49,7 @@ def _whole(v, message: str) -> int:
 
 
 def whole_number(v) -> Optional[int]:
-    """v as an int when it is an int, a numpy int or a whole float (5.0 is the
-    id it spells), else None; bool is an int subclass but never a number here."""
+    """v as an int when it is an int, a numpy int or a whole float, else None (bool too)."""
     if isinstance(v, bool):
         return None
     if isinstance(v, numbers.Integral):
@@ -63,8 +60,7 @@ def whole_number(v) -> Optional[int]:
 
 
 def seed_value(seed) -> int:
-    """A job seed: an integer that fits the 64-bit key word (a float, a str
-    or a wider int would otherwise be truncated into another seed silently)."""
+    """A job seed: an integer that fits the 64-bit key word (else it would be silently truncated)."""
     if seed is None:
         return 0
     seed = _whole(seed, "seed must be an integer")
@@ -74,9 +70,7 @@ def seed_value(seed) -> int:
 
 
 def prompt_list(prompts) -> list:
-    """`prompts` as a list, each a string or a sequence. A lone string (or
-    one prompt's token ids) would otherwise be taken as one prompt per
-    character (or a failure per id)."""
+    """`prompts` as a list, each a string or a sequence (a lone string or id list is refused)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, abc.Iterable):
         raise TypeError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
     prompts = list(prompts)
@@ -102,8 +96,7 @@ def row_id_list(row_ids, count: int) -> Optional[list]:
 
 
 def token_ids(prompt) -> List[int]:
-    """A prompt's token ids as ints; anything not an integer id is a PromptError
-    (that row's error), not a whole-call failure or a silent truncation."""
+    """A prompt's token ids as ints; a non-integer id is that row's PromptError."""
     if isinstance(prompt, bytes) or not isinstance(prompt, abc.Iterable):
         raise PromptError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if hasattr(prompt, "as_py"):  # a pyarrow list scalar
@@ -133,9 +126,8 @@ def _short_repr(v, limit: int = 60) -> str:
 
 
 def valid_text(prompt: str) -> str:
-    """A str prompt the tokenizer can take: a lone surrogate (which a Python
-    str can hold, and UTF-8 cannot) makes tokenizers raise a TypeError that
-    would end the whole call instead of the row."""
+    """A str prompt the tokenizer can take: a lone surrogate (not UTF-8) makes
+    tokenizers raise a TypeError that would end the whole call, not the row."""
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -8,10 +8,8 @@ from typing import Literal, Optional, Union
 
 Depth = Union[int, Literal["auto"]]
 
-# The deepest speculation: a verify spans depth + 1 positions per row, and
-# passes over 16 or more are prompt passes, which on the CPU take other
-# numerics (`mtplx.cpu_activations.FAST_MIN_POSITIONS`); a verify must run
-# a decode step's ops exactly.
+# A verify spans depth + 1 positions and must run a decode step's ops; from 16
+# on, the CPU takes prompt-pass numerics (`backends.cpu.activations.FAST_MIN_POSITIONS`).
 MAX_DEPTH = 14
 
 
@@ -20,22 +18,19 @@ class MTPContract:
     """How the runtime speculates.
 
     depth: draft tokens per cycle (0 = plain decoding, at most MAX_DEPTH),
-        or "auto" to pick it from a cost model calibrated on this machine.
+        or "auto" to pick it from a cost model calibrated where it runs.
     acceptance: "residual" (highest acceptance) or "coupled" (output equals
         plain keyed sampling bit for bit, whatever the depth).
     prefill_chunk: prompt tokens per row per prefill forward.
-    prefill_batch_tokens: prompts are prefilled together, right-padded, until
-        rows x longest prompt reaches this; with prefill_chunk it bounds
-        prefill memory.
-    compile: run the decode passes as compiled MLX graphs (`mtplx.compiled`);
-        False runs the same ops eagerly (same output, slower).
-    shrink_batch: once no prompt is waiting, decode the rows still running
-        in a batch their own size (the next power of two) rather than the
-        full one; what each row outputs does not change.
-    sampled_depth: with depth "auto", the depth of every cycle in which a
-        row samples under the residual rule, given instead of calibrated:
-        a resumed job passes the one its first run chose, so that all its
-        sampled rows draw alike. None: calibration picks it.
+    prefill_batch_tokens: prompts are prefilled together until rows x
+        longest prompt reaches this (with prefill_chunk, bounds its memory).
+    compile: run decode passes as compiled MLX graphs (`decode.passes`);
+        False runs the same ops eagerly.
+    shrink_batch: once no prompt waits, decode the remaining rows in a batch
+        of the next power of two; outputs do not change.
+    sampled_depth: with depth "auto", the depth of cycles where a row samples
+        under the residual rule, instead of calibrating it (a resumed job
+        passes its first run's). None: calibration picks it.
     """
 
     depth: Depth = 1

@@ -1,24 +1,20 @@
-"""Depth policies: what the runtime asks, before each cycle, for that cycle's
-speculation depth.
+"""Depth policies: what the runtime asks, before each cycle, for its depth.
 
 A policy is any object with these members (the runtime calls nothing else):
 
-- `max_depth`: the deepest cycle it may ask for; the runtime builds its
-  batch, draft chain and verify for it.
+- `max_depth`: the deepest cycle it may ask for (the batch is built for it).
 - `choose(sampled_residual, draining) -> int | None`: the next cycle's depth,
-  or None to stop decoding (rows still running are dropped).
-  `sampled_residual`: some row samples under the residual rule, whose draws
-  depend on the depth; `draining()`: whether nothing is left to refill the
-  batch (a call, because answering may read a request ahead).
+  or None to stop decoding (running rows are dropped). `sampled_residual`:
+  some row samples under the residual rule, whose draws depend on the depth;
+  `draining()`: nothing is left to refill the batch (a call: it may read ahead).
 - `launched(depth, t, clean)`, `observe(accepted, drafted)`: each cycle's
-  launch time and, once read, its rows' accepted and drafted counts.
+  launch time and, once read, its live rows' accepted and drafted counts.
 - `warm_up_depths()`: the depths to trace before the first real cycle.
-- `prefills_head()`: whether prompts should be prefilled through the head.
+- `prefills_head()`: whether prompts go through the head.
 - `record`: a dict shown as `stats["auto_depth"]`, or None.
 - `finished()`: the decode ran to its end.
 
-`FixedDepth` and `ScriptedDepths` live here; the adaptive policy of depth
-"auto" is `mtplx.autodepth.policy.AutoDepth`.
+Depth "auto"'s adaptive policy is `mtplx.autodepth.policy.AutoDepth`.
 """
 
 from __future__ import annotations
@@ -54,10 +50,9 @@ class FixedDepth:
 
 
 class ScriptedDepths(FixedDepth):
-    """Plays a given sequence of depths, then stops the decode: how calibration
-    times bursts of each depth and how warm-up traces every depth.
-    `sampled_depth`: when given, cycles with a row sampling under the residual
-    rule run at it (and do not advance the script), as the job will run them."""
+    """Plays a sequence of depths, then stops the decode (calibration bursts,
+    warm-up). `sampled_depth`: when given, cycles with a row sampling under
+    the residual rule run at it without advancing the script."""
 
     def __init__(self, depths: Sequence[int], sampled_depth: Optional[int] = None, max_depth: Optional[int] = None):
         depths = list(depths)

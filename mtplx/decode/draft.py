@@ -1,24 +1,7 @@
-"""Steps 0 and 1 of a cycle, the head catch-up and drafting d_1..d_k, as one
-compiled graph.
-
-The catch-up is one head pass per head layer over the previous verify's
-pairs; its depth-1 output at each row's primary starts the chain. Drafting
-then alternates a draft choice (argmax, or a keyed draw from q) with a
-one-token head pass that feeds the head its own output back. Launched one
-graph at a time that is a catch-up call per head layer plus 2k-1 graph
-calls, each of which costs the CPU backend more to dispatch than its few
-small ops cost to run; traced as one graph per (k, sampling kind) it is one
-call.
-
-The catch-up's entries are kept: the head caches come back with them, each
-row's length advanced by the pairs it keeps. The entries the chain writes,
-from the head's own hidden states, are rolled back at the end of every cycle
-(DESIGN "One decode cycle", step 1): they land past each row's new length,
-where they stay masked until the next catch-up (k+1 pairs wide, wider than
-the k-1 entries the chain writes) overwrites them, and a non-finite one is
-stored as 0 (`cache.SlotKVCache.update_and_fetch`). So the chain writes into
-the arrays the caches come back with, not into copies of them: each copy was
-a whole head cache (batch x capacity) per chain step.
+"""Head catch-up and drafts d_1..d_k as one compiled graph per (k, sampling).
+The catch-up's entries are kept; the chain's land past each row's new
+length, masked until the next catch-up (k+1 wide, more than the chain's
+k-1) overwrites them, so the chain writes in place rather than into copies.
 """
 
 from __future__ import annotations
@@ -33,9 +16,8 @@ from mtplx.decode.passes import common_span, shadow_caches, span_marker
 
 
 class HeadPending(NamedTuple):
-    """The head's depth-1 inputs the last verify left: pairs (H_t, token_t)
-    of which each row keeps `keep` and whose output at index `take` is the
-    primary's."""
+    """The head's inputs the last verify left: pairs (H_t, token_t), of which
+    a row keeps `keep`; the output at `take` is the primary's."""
 
     hidden: mx.array  # [B, T, H]
     tokens: mx.array  # [B, T]
@@ -44,10 +26,8 @@ class HeadPending(NamedTuple):
 
 
 class DraftChain:
-    """`chain(pending, draws, sampling, head_caches, k, span)` -> drafts [B, k]
-    and q [B, k, V] (None when every row is greedy). `span` bounds the head
-    caches' lengths before the catch-up; after it, the caches hold its
-    entries and `host_max` bounds their new lengths."""
+    """`chain(pending, draws, sampling, head_caches, k, span)` -> drafts [B, k],
+    q [B, k, V] (None when all greedy); `span` bounds the caches' lengths."""
 
     def __init__(self, head, num_layers: int, rule: str, compiled: bool = True):
         self.head = head
@@ -84,8 +64,7 @@ class DraftChain:
         return (out[0], None) if greedy else (out[0], out[1])
 
     def _allocate(self, cache: SlotKVCache, j: int, hidden: mx.array):
-        """Empty keys and values of the shapes head layer j writes (found by
-        one eager pass on a probe), for `reserve` to grow."""
+        """Empty keys and values of head layer j's shapes (from an eager probe), for `reserve` to grow."""
         probe = SlotKVCache(1)
         self.head(
             mx.zeros((1, 1, hidden.shape[-1]), dtype=hidden.dtype),
@@ -108,15 +87,14 @@ class DraftChain:
         n, head, rule = self.num_layers, self.head, self.rule
 
         def run(marker, cu_hidden, cu_tokens, take, keep, *rest):
-            n_sampled = 0 if greedy else 6  # the cycle's draws (decide.cycle_draws) + the five sampling arrays
+            n_sampled = 0 if greedy else 6  # the cycle's draws (accept.cycle_draws) + the five sampling arrays
             sampled, arrays = rest[:n_sampled], rest[n_sampled:]
             # Step 0: every head layer's catch-up over the pending pairs, kept.
             T, S = cu_tokens.shape[1], marker.shape[0]  # S: positions read, 0 for the whole capacity
             caches = shadow_caches((SlotKVCache,) * n, arrays, T=T, span=S)
             written = []
             for j, cache in enumerate(caches):
-                # Only the output at each row's primary is used: the head's
-                # MLP and LM head run there alone (families.common.decoder_block).
+                # MLP and LM head run at each row's primary alone (models.families.common).
                 lg, out = head(
                     cu_hidden, cu_tokens, cache=_only(cache, j, n), depth=j + 1, at=take
                 )  # [B, 1, V], [B, 1, H]

@@ -1,21 +1,11 @@
 """Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash) in one form for
 every decode pass.
 
-mlx-lm's MLA attention picks its form by the number of positions. One
-position stays in the latent space: the query goes through `embed_q`, the
-cached latents serve as keys and values, and `unembed_out` maps the output
-back. Several positions decompress the cached latents into per-head keys and
-values instead. The two agree in exact arithmetic only, so a verify over k+1
-positions rounded differently from the one-position decode steps it stands
-for: a reviewer's bf16 checkpoints moved by up to 0.04 in the logits, and
-greedy speculation diverged from plain decoding at top-2 gaps of one bf16
-step.
-
-`use_one_mla_form` makes every pass over the runtime's slot caches, decode
-steps, verifies and the head's passes alike, take the one-position form at
-any number of positions. It also reads the cache in its compressed width, so
-a verify no longer decompresses every cached position. Prompt passes (mlx-lm
-caches, or none) keep mlx-lm's own forms.
+mlx-lm stays in the latent space for one position and decompresses the
+cached latents for several; the forms agree in exact arithmetic only, so a
+verify would round apart from the steps it stands for (docs/performance.md).
+Every pass over slot caches takes the one-position form at any width,
+reading the compressed cache; prompt passes keep mlx-lm's forms.
 """
 
 from __future__ import annotations
@@ -31,8 +21,7 @@ _one_form_classes: Dict[type, type] = {}
 
 
 def use_one_mla_form(model) -> int:
-    """Swap, in place, the MLA attention modules of an MTPModel's trunk and
-    head for their one-form subclasses; returns how many were swapped."""
+    """Swap, in place, the trunk's and head's MLA modules for one-form subclasses; returns the count."""
     count = 0
     for part in (model.trunk, model.head):
         if part is None:

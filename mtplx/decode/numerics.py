@@ -1,9 +1,5 @@
-"""Float32 numerics shared by sampling and the runtime.
-
-Everything here works on whole batches on device. The only host
-synchronisation is `raise_if_nonfinite`, which exists to turn a silent NaN
-into an error that names the rows it came from.
-"""
+"""Float32 numerics shared by sampling and the runtime, on whole batches on
+device; only the raise_* checks read the host, to name the rows of a NaN."""
 
 from __future__ import annotations
 
@@ -12,29 +8,20 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-# A residual distribution whose total mass is at or below this is treated as
-# empty and replaced by the target. Mass this small means p and q agree to
-# within a total-variation distance of ZERO_MASS_TOL, so a rejection (the only
-# way the residual is ever sampled) happens with probability <= ZERO_MASS_TOL,
-# and sampling from p instead changes the output distribution by at most that
-# much. Renormalising a mass that small would instead amplify float32 rounding
-# dust (about 1e-7 per entry) into a meaningless distribution.
+# A residual of mass <= this is replaced by the target: p and q are then this
+# close in total variation, so a rejection (the residual's only use) has at
+# most this probability; renormalising would amplify float32 rounding dust.
 ZERO_MASS_TOL = 1e-6
 
 
 def log_softmax_f32(logits: mx.array) -> mx.array:
-    """Log-softmax over the last axis, computed in float32.
-
-    -inf entries (masked tokens) give -inf. A row that is all -inf has no
-    distribution and comes out NaN, so the non-finite guards catch it.
-    """
+    """Log-softmax over the last axis in float32; a row all -inf comes out NaN for the guards."""
     x = logits.astype(mx.float32)
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
 def safe_normalize(x: mx.array, axis: int = -1) -> mx.array:
-    """x / sum(x) along `axis`; a slice that sums to zero is returned unchanged
-    (all zeros) instead of becoming NaN."""
+    """x / sum(x) along `axis`; a slice summing to zero stays zero, not NaN."""
     x = x.astype(mx.float32)
     total = mx.sum(x, axis=axis, keepdims=True)
     positive = total > 0
@@ -53,11 +40,8 @@ def nonfinite_rows(x: mx.array) -> mx.array:
 
 
 class NonFiniteError(ValueError):
-    """Non-finite values where probabilities or logits were expected.
-
-    `rows` holds the offending rows (their names when the caller gave them).
-    A plain message string is accepted too (rows then stays empty).
-    """
+    """Non-finite probabilities or logits; `rows` names the offending rows
+    (empty when built from a plain message)."""
 
     def __init__(self, rows=(), what: str = "values"):
         if isinstance(rows, str):
@@ -79,19 +63,14 @@ def raise_for_rows(bad: mx.array, row_names: Sequence | None = None, what: str =
 
 
 def raise_if_nonfinite(x: mx.array, row_names: Sequence | None = None) -> None:
-    """Host check: raise NonFiniteError naming every row of x that is not
-    finite (row_names[i] instead of i when given)."""
+    """Host check: raise NonFiniteError naming the non-finite rows of x."""
     raise_for_rows(nonfinite_rows(x), row_names)
 
 
 def replace_nonfinite_rows(x: mx.array, bad: mx.array, value: float | None = None) -> mx.array:
-    """Rows flagged in bool [B] `bad` replaced by a constant so a batch can go
-    on while the caller records those rows as errors.
-
-    The default constant is 1/V (V = last axis): read as probabilities that is
-    the uniform distribution, read as logits it is too, so the same call makes
-    either kind of tensor safe to sample from.
-    """
+    """Rows flagged in bool [B] `bad` replaced by a constant, so the batch goes
+    on. The default 1/V (V = last axis) is the uniform distribution read as
+    probabilities or as logits."""
     if value is None:
         value = 1.0 / x.shape[-1] if x.ndim > 1 and x.shape[-1] else 0.0
     bad = bad.reshape(bad.shape + (1,) * (x.ndim - 1))  # [B, 1, ...]

@@ -1,23 +1,7 @@
-"""Decode passes over the slot caches as compiled MLX graphs.
-
-At decode-time batch sizes the CPU spends most of a forward dispatching small
-ops, not computing. `mx.compile` fuses the elementwise chains and replays one
-traced graph, which cuts a one-token trunk step by about a third here. To be
-traceable a pass must be a pure function of arrays, so `SlotPass` hands the
-cache arrays in as inputs and takes the updated ones back out:
-
-- attention KV is read up to a whole bucket of positions past the longest
-  row (`cache.read_span`; masked past each row's length, where keys add
-  exact zeros), so a pass is traced once per bucket and capacity, not per
-  length: the bucket reaches the graph as the shape of a marker input
-  (`span_marker`), since a trace sees shapes, not values;
-- a gated-delta layer's state and conv window are fixed-size; when commit will
-  need them, the per-step states of the verify are outputs too.
-
-A graph is traced once per input shape; the fused kernels are built by the
-system C++ compiler and cached on disk by MLX (without one, MLX runs the same
-graph unfused). A pass whose caches are not allocated yet runs eagerly once.
-"""
+"""Decode passes over the slot caches as compiled MLX graphs (at decode
+batch sizes a forward is mostly op dispatch, which `mx.compile` fuses). A
+traced pass is a pure function of arrays, so the cache arrays go in and
+come out; the read span reaches it as a marker input's shape (`span_marker`)."""
 
 from __future__ import annotations
 
@@ -32,23 +16,21 @@ from mtplx.decode.cache import PassPositions, SlotGDNCache, SlotKVCache, pass_po
 
 
 class SlotPass:
-    """`run(*inputs, caches)` as one compiled graph with the caches' arrays as
-    explicit inputs and outputs; the caches are updated as an eager call would
-    leave them (KV lengths advanced by T, gated-delta state after all T steps,
-    `pending` set when `keep_pending`)."""
+    """`run(*inputs, caches)` as one compiled graph over the caches' arrays,
+    leaving the caches as an eager call would (`pending` when `keep_pending`).
+    A pass whose caches are not allocated yet runs eagerly."""
 
     def __init__(self, run: Callable, keep_pending: bool, compiled: bool = True, rope: Optional[RopeSpec] = None):
         self.run = run
         self.keep_pending = keep_pending
         self.compiled = compiled
-        self.rope = rope  # the RoPE whose angles its attention layers take from the pass (`mtplx.rope_angles`)
+        self.rope = rope  # the RoPE whose angles its attention layers take from the pass (`backends.cpu.rope_angles`)
         self._kinds: tuple = ()
         self._fn = mx.compile(self._pure) if compiled else self._pure
 
     def __call__(self, inputs: Sequence[mx.array], caches: List, T: int, shared: Optional[dict] = None):
-        """`shared`: a dict one pass's SlotPasses share (`StagedPass`), so
-        that caches holding the same lengths array share their
-        `PassPositions`."""
+        """`shared`: a dict the SlotPasses of one `StagedPass` share, so caches
+        holding one lengths array share their `PassPositions`."""
         if not self.compiled or any(a is None for a in _cache_arrays(caches)):
             return self.run(*inputs, caches)
         for c in caches:
@@ -85,20 +67,10 @@ class SlotPass:
 
 
 class StagedPass:
-    """The trunk's forward (`MTPModel.forward`) over slot caches as a chain
-    of `SlotPass`es of `layers_per_stage` layers each (0: one pass), each
-    started with `mx.async_eval` as soon as its graph is built.
-
-    Why: MLX's CPU backend lets the host queue only ~100 ops ahead of the
-    worker that runs them (10 tasks of 10 dispatches), so an async_eval of a
-    whole forward returns only when that forward is nearly done, and the host
-    then builds the next graph while the worker idles. Started a layer at a
-    time, the next layer's graph is built while the worker runs this one's:
-    on the built-in model at batch 4, greedy, the median cycle went from
-    4.91 to 3.60 ms at depth 0 and from 9.21 to 7.06 ms at depth 2 (one
-    process, runs alternating). Split without the async_evals, it was
-    slower (4.90 against 4.38 ms at depth 0): the gain is the overlap.
-    Called like a SlotPass: `(inputs, caches, T)` -> (logits, hidden)."""
+    """The trunk's forward as a chain of `SlotPass`es of `layers_per_stage`
+    layers (0: one), each started with `mx.async_eval` once built, so the host
+    builds the next while MLX's CPU worker runs it (docs/performance.md).
+    `(inputs, caches, T)` -> (logits, hidden)."""
 
     def __init__(
         self,
@@ -128,16 +100,14 @@ class StagedPass:
 
 
 def trunk_pass(model, keep_pending: bool, compiled: bool = True) -> StagedPass:
-    """The runtime's trunk pass (the step, the verify and the prefill's last
-    step), staged on the CPU."""
+    """The runtime's trunk pass (step, verify, prefill's last step), staged as the backend says."""
     layers_per_stage, rope = backends.pass_stages(model)
     return StagedPass(model, keep_pending, compiled, layers_per_stage, rope)
 
 
 def _stage(model, start: int, stop: int, first: bool, last: bool) -> Callable:
     """Trunk layers start..stop as run(tokens [B, T] or x [B, T, H], caches),
-    the embedding before them when first, the logits and hidden states after
-    them when last."""
+    with the embedding when first, logits and hidden states when last."""
 
     def run(x, caches):
         x = model.run_layers(model.embed(x) if first else x, caches, start, stop)
@@ -147,8 +117,7 @@ def _stage(model, start: int, stop: int, first: bool, last: bool) -> Callable:
 
 
 def head_layer(head, j: int) -> Callable:
-    """The head's pass through its layer j, as a function of that layer's
-    cache alone: run(hidden [B, T, H], tokens [B, T], [cache_j])."""
+    """Head layer j's pass: run(hidden [B, T, H], tokens [B, T], [cache_j])."""
     n = len(head.layers)
 
     def run(hidden, tokens, caches):
@@ -160,16 +129,9 @@ def head_layer(head, j: int) -> Callable:
 
 
 def _positions(caches, T: int, span: int, shared: dict, rope: Optional[RopeSpec] = None) -> list:
-    """The `PassPositions` of each KV cache among `caches` for a pass of T
-    positions reading `span` keys (0: each cache's capacity), flattened as
-    a compiled pass's inputs. Caches holding the same lengths array share
-    them, across the SlotPasses of one `shared` dict too: the trunk's KV
-    caches hold one (`SlotBatch.commit_trunk`), so a staged pass makes them
-    once, not once per attention layer. On the built-in model that took an
-    attention layer's graph from 89 ops to 76 and a batch-1 cycle's median
-    time to 0.935x at depth 0, 0.952x at depth 2 (one process, 10 rounds
-    each); at batch 4, where a verify's larger ops keep the worker busy
-    anyway, 0.96-0.98x at depth 0 and 0.98-1.0x deeper."""
+    """The `PassPositions` of each KV cache for T positions reading `span` keys
+    (0: capacity), flattened. Caches holding one lengths array (the trunk's:
+    `SlotBatch.commit_trunk`) share them, across a `shared` dict too."""
     out = []
     for c in caches:
         if isinstance(c, SlotKVCache):
@@ -181,8 +143,7 @@ def _positions(caches, T: int, span: int, shared: dict, rope: Optional[RopeSpec]
 
 
 def _steps(inputs) -> int:
-    """Positions per row in this pass: the first input is [B, T] tokens or
-    [B, T, H] hidden states."""
+    """Positions per row: the first input is tokens [B, T] or hidden [B, T, H]."""
     return inputs[0].shape[1]
 
 
@@ -195,24 +156,18 @@ def _cache_arrays(caches) -> list:
 
 @lru_cache(maxsize=None)
 def span_marker(span: int) -> mx.array:
-    """The read span as a traced graph sees it: the shape of an int8 [span]
-    input (0: each KV cache's whole capacity). One array per span, shared."""
+    """The read span as a trace sees it: the shape of an int8 [span] input (0: whole capacity)."""
     return mx.zeros((span,), dtype=mx.int8)
 
 
 def common_span(caches, needed: int) -> int:
-    """One read span for every KV cache among `caches` when their rows hold
-    at most `needed` positions (`cache.read_span`); 0 (each its whole
-    capacity) where their capacities differ or none is a KV cache."""
+    """One read span for the KV caches (`cache.read_span`); 0 (capacity) if they differ."""
     capacities = {c.keys.shape[2] for c in caches if isinstance(c, SlotKVCache)}
     return read_span(needed, capacities.pop()) if len(capacities) == 1 else 0
 
 
 def shadow_caches(kinds, arrays, T: int, span: int = 0) -> list:
-    """Fresh cache objects over the traced arrays. A KV shadow reads `span`
-    positions (0: its whole capacity): host_max + T == span. Public because
-    every compiled pass over slot caches (`SlotPass`, `mtplx.draft_chain`)
-    must build them alike."""
+    """Fresh caches over traced arrays, reading `span` positions (0: capacity)."""
     it = iter(arrays)
     shadows = []
     for kind in kinds:

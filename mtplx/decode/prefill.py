@@ -1,14 +1,6 @@
-"""Prefill prompts: the trunk over each prompt but its last token, in
-chunks, and the head over the prompt's pairs, so the head's history is
-complete before the first draft; then the last tokens as one one-position
-step, as every later token is decoded, whose logits give the first token.
-
-Prompts are prefilled together, right-padded to the longest (each with its
-own last token). Right padding is exact for both layer kinds: a row's
-queries only look back, and mlx-lm's gated-delta layer freezes its state
-(and conv window) past each row's `lengths`. Each row's caches are then cut
-to its own length.
-"""
+"""Prefill: the trunk and head over each prompt but its last token, right-padded
+together (exact: queries only look back, and mlx-lm's gated-delta layer
+freezes past each row's `lengths`), then the last tokens as one decode step."""
 
 from __future__ import annotations
 
@@ -57,10 +49,8 @@ def prompt_pass(model, prompts: List[List[int]], chunk: int, with_head: bool) ->
     over the prompt's pairs, right-padded together."""
     prefix = [len(p) - 1 for p in prompts]
     L = max(prefix)
-    # A row is padded with its own last token: whatever the pad computes is
-    # discarded, but a pad whose forward is non-finite would still poison
-    # the row's real positions (0 x NaN in masked attention and in the
-    # chunk-wise gated delta), and this token would have poisoned it anyway.
+    # Padded with the row's own last token: a non-finite pad would poison the
+    # row (0 x NaN), and this token would have anyway.
     tokens = mx.array([p + p[-1:] * (L - n) for p, n in zip(prompts, prefix)], dtype=mx.int32)  # [B, L+1]
     cache = model.make_cache()
     for c in cache:
@@ -82,24 +72,14 @@ def prompt_pass(model, prompts: List[List[int]], chunk: int, with_head: bool) ->
 def last_token_step(
     model, passes: List[_PromptPass], prefix: List[int], last: List[int], step: Optional[StagedPass] = None
 ):
-    """Every row's last prompt token in one one-position step. mlx-lm's
-    prompt pass stops one token short and feeds the last one so, and every
-    later token is decoded so. A pass over the whole prompt computes that
-    position in its multi-position form instead, and in half precision the
-    forms round apart: on bf16 DeepSeek-V3 checkpoints (whose latent
-    attention has a one-position form of its own) greedy decoding then left
-    mlx-lm's on 7 of 40 prompts, through that position's cache entries.
-
-    The groups' prompt caches (row b `prefix[b]` long, rows in group order)
-    become one batch of slot caches, which gives each row's step its own
-    position, so one step serves every group. `step` runs it (the runtime's
-    compiled pass; eager without one). Returns the slot caches, the logits
-    [B, 1, V] and the head-facing hidden states [B, 1, H], evaluated."""
+    """Every row's last prompt token in one one-position step, as mlx-lm feeds
+    it (the multi-position form rounds apart in half precision). The groups'
+    caches (row b `prefix[b]` long) become one batch of slot caches; `step`
+    runs it (eager if None). -> slot caches, logits [B, 1, V], hidden [B, 1, H]."""
     B = len(last)
     rows, capacity = B, max(p.L for p in passes) + 1
     if step is not None and step.compiled:
-        # A compiled pass is traced once per shape: a power of two of rows
-        # (empty ones past B) and whole capacity steps, as decode batches are.
+        # Shapes as decode batches have: a power of two of rows, whole capacity steps.
         rows, capacity = 1 << (B - 1).bit_length(), rounded_capacity(capacity)
     slots = make_slot_caches(model.layer_kinds, rows)
     for i, s in enumerate(slots):
@@ -123,10 +103,8 @@ def last_token_step(
 
 
 def _stacked(passes: List[_PromptPass], arrays: list, rows: int, length: Optional[int]) -> Optional[mx.array]:
-    """The groups' arrays of one cache ([B_g, ...]; KV [B_g, H, C, D] cut to
-    the group's L and zero-padded to `length` positions) as one [rows, ...]
-    array, zero rows past them and for a group without one (its prompts are
-    one token long); None when no group has one."""
+    """The groups' arrays of one cache (KV cut to L, padded to `length`) as one
+    [rows, ...] array, zeros where missing; None when no group has one."""
     ref = next((a for a in arrays if a is not None), None)
     if ref is None:
         return None
@@ -143,8 +121,7 @@ def _stacked(passes: List[_PromptPass], arrays: list, rows: int, length: Optiona
 
 
 def _row(trunk: list, head_cache, logits, hidden, b: int, g: int, n: int) -> Prefilled:
-    """Row b of the step's slot caches and row g of its group's head caches,
-    for a prompt of n tokens."""
+    """Row b of the step's slot caches, row g of its group's head caches; n tokens."""
     rows = []
     for s in trunk:
         if isinstance(s, SlotGDNCache):
@@ -168,8 +145,7 @@ def prefill_groups(
     with_head: bool,
     step: Optional[StagedPass] = None,
 ) -> List[Prefilled]:
-    """A prompt pass per group of prompt indices, then one last-token step
-    for them all; results in input order."""
+    """A prompt pass per group of indices, one last-token step; input order."""
     passes = [prompt_pass(model, [prompts[i] for i in g], chunk, with_head) for g in groups]
     order = [i for g in groups for i in g]
     trunk, logits, hidden = last_token_step(
@@ -191,9 +167,7 @@ def prefill_batch(
     return prefill_groups(model, prompts, [list(range(len(prompts)))], chunk, with_head, step)
 
 
-# What one more prefill call costs, in padded prompt positions (a row x a
-# position). Prefill time here is about 10 ms per call plus 0.3-0.4 ms per
-# padded position (built-in model, batch 1-16, 16-128-token prompts).
+# What one more prefill call costs, in padded prompt positions (rows x positions).
 PREFILL_CALL_POSITIONS = 32
 
 
@@ -205,10 +179,7 @@ def prefill_by_length(
     call_positions: int = PREFILL_CALL_POSITIONS,
     step: Optional[StagedPass] = None,
 ) -> List[Prefilled]:
-    """A prompt pass per group of similar lengths, results in input order. A
-    pass is padded to its longest prompt, and prompts of 30 and 128 tokens
-    padded together compute 98 positions for nothing; a group per length
-    range costs a call each instead (`length_groups`)."""
+    """A prompt pass per group of similar lengths (a pass pads to its longest)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     runs = length_groups([len(prompts[i]) for i in order], call_positions)
     return prefill_groups(model, prompts, [order[a:b] for a, b in runs], chunk, with_head, step)

@@ -1,8 +1,6 @@
-"""The in-place changes a model gets before MTPLX decodes with it: the
-device's forms (`mtplx.backends.prepare_model`) and the one form of the
-algorithm's own that every device takes (`mla.use_one_mla_form`). The
-runtime applies them, and the bare-cost passes time the model as the runtime
-runs it; each is idempotent."""
+"""The in-place, idempotent changes a model gets before decoding: the
+device's forms (`backends.prepare_model`) and the algorithm's own
+(`mla.use_one_mla_form`)."""
 
 from __future__ import annotations
 

@@ -75,11 +75,8 @@ def error_completion(req: Request, sample_index: int, message: str, prompt_token
 
 def find_stop_string(tokenizer, tokens: List[int], stops: Sequence[str], checked: int):
     """First stop string in the decoded text, as (tokens to keep, text before it).
-
-    Only rows with stop strings pay for this. `checked` is how many tokens were
-    already known not to complete a stop string, so a match spanning tokens or
-    cycles is found at the token that completes it.
-    """
+    `checked` tokens are known not to complete one, so a match spanning tokens
+    or cycles is found at the token that completes it."""
     text = tokenizer.decode(tokens)
     if not any(s in text for s in stops):
         return None

@@ -1,19 +1,7 @@
-"""MTPLXRuntime: the batched decode loop (prefill, draft, verify, accept,
-commit, refill), as DESIGN.md "One decode cycle" describes it.
-
-A cycle over B slots at depth k:
-  0. head catch-up: one head pass writes each row's verified pairs and
-     (h, primary); its output at the primary gives q_1 for the draft.
-  1. draft d_1..d_k (depth i>1 feeds the head its own output back; the head
-     entries that writes are never kept); steps 0 and 1 are one graph,
-     mtplx.draft_chain;
-  2. verify [x_n, d_1..d_k] with one trunk forward;
-  3. accept per row, vectorised (mtplx.sampling.speculative_accept);
-  4. commit: trunk lengths += a_b + 1, each row's gated-delta state after its
-     accepted step selected;
-  5. emit on the host, apply stop rules, free and refill finished slots.
-The host syncs once per cycle, to read accepted counts and tokens.
-"""
+"""BatchRuntime: the batched decode loop (docs/design.md, "The decode cycle").
+A cycle: head catch-up and drafts in one graph (decode.draft), one verify
+pass, accept (decode.accept), commit; then the host emits, applies stop
+rules and refills, reading each cycle after launching the next."""
 
 from __future__ import annotations
 
@@ -72,9 +60,8 @@ def check_runtime_args(model, contract: MTPContract, max_batch: int) -> None:
 
 
 class BatchRuntime:
-    """The batched decode loop. `policy` picks each cycle's depth
-    (`mtplx.decode.depth`); without one, every cycle runs the contract's
-    fixed depth. `mtplx.MTPLXRuntime` builds the policy depth "auto" needs."""
+    """The batched decode loop; `policy` (`decode.depth`) picks each cycle's
+    depth, by default the contract's. `mtplx.MTPLXRuntime` builds "auto"'s."""
 
     def __init__(self, model, contract: MTPContract = MTPContract(), max_batch: int = 8, policy=None):
         check_runtime_args(model, contract, max_batch)
@@ -91,27 +78,19 @@ class BatchRuntime:
         self.policy = policy
         self.depth = policy.max_depth  # what the batch is built for
         self.eos = set(model.eos_token_ids)
-        # What one GEMM row costs at most: decode cycles whose GEMMs are too
-        # small to split run OpenBLAS single-threaded (mtplx.blas_threads).
+        # Small decode GEMMs run OpenBLAS single-threaded (backends.cpu.blas_threads).
         self.threads = CycleThreads(model)
-        # The verify keeps per-step gated-delta states only when commit can roll back.
-        # Also the prefill's one-position step over the last prompt tokens (a
-        # one-position pass keeps nothing pending): at depth 0 it is the
-        # decode step's own trace.
+        # Per-step gated-delta states only when commit can roll back. Also the
+        # prefill's last-token step (at depth 0 the decode step's own trace).
         self._verify = trunk_pass(model, keep_pending=self.depth > 0, compiled=contract.compile)
         self._draft_chain = (
             DraftChain(model.head, model.num_head_layers, contract.acceptance, compiled=contract.compile)
             if self.depth > 0
             else None
         )
-        # When each recent cycle launch started. In steady decoding launch to
-        # launch is a whole cycle on any backend (on the CPU a launch returns
-        # when its compute is nearly done, on a GPU once the work is queued):
-        # what calibration takes medians of (costs.measure_cycle_costs).
+        # Recent launch times: launch to launch is one cycle, which calibration takes medians of.
         self.launch_started: deque = deque(maxlen=4096)
-        # Whether the host did more than read cycles since the last launch
-        # (prefill, rows loaded, finished or moved): that interval is not a
-        # cycle's time, for the depth controller's measured costs.
+        # Prefill or rows moved since the last launch: that interval is no cycle.
         self._disturbed = True
         if policy.warm_up_depths():
             self._warm_up_every_depth()
@@ -126,11 +105,8 @@ class BatchRuntime:
             record["cycles_by_depth"] = {str(k): 0 for k in range(self.depth + 1)}
 
     def _warm_up_every_depth(self, sampling: SamplingParams = SamplingParams(), logprobs: bool = False):
-        """Trace the passes of every depth the policy may pick, in the order
-        of its `warm_up_depths`, on a batch of dummy rows that no end of
-        sequence stops, so that the job's first cycles at each depth do not
-        pay for it. (Sampled rows under the residual rule run at the policy's
-        depth for them instead, until max_tokens.)"""
+        """Trace the passes of each of the policy's `warm_up_depths` on dummy
+        rows, so the job's first cycles there do not pay for it."""
         policy = self.policy
         depths = list(policy.warm_up_depths())
         max_tokens = (self.depth + 1) * len(depths) + 2  # no row ends before the sequence does
@@ -147,20 +123,16 @@ class BatchRuntime:
             self.policy = policy
 
     def warm_up(self, sampling: SamplingParams = SamplingParams(), logprobs: bool = False) -> None:
-        """Decode a full batch of dummy rows for one cycle at full depth and
-        forget them: the passes later calls with these settings run are then
-        traced, and on the CPU backend their kernels built (a cold kernel
-        cache takes tens of seconds), before the caller's own work starts.
-        Outputs do not change. Depth "auto" warms its greedy passes up when
-        it is built; here it runs the sampled or logprobs ones at every depth."""
+        """Decode dummy rows for one full-depth cycle and forget them, so these
+        settings' passes are traced and built before the caller's work
+        (depth "auto": its sampled/logprobs ones). Outputs do not change."""
         if self.policy.warm_up_depths():
             if not sampling.greedy or logprobs:
                 self._warm_up_every_depth(sampling, logprobs)
                 self._reset_stats()
             return
-        # The first token, then one cycle drafting `depth`; the prompt pass
-        # runs over two tokens, as over any longer prompt (over one, MLX
-        # builds other kernels for its size-1 axis).
+        # A two-token prompt pass, as for longer prompts (a size-1 axis builds
+        # other kernels), the first token, then one cycle drafting `depth`.
         max_tokens, prompt_len = self.depth + 2, 3
         limit = self.model.max_context
         if limit is not None and prompt_len + max_tokens > limit:
@@ -178,7 +150,6 @@ class BatchRuntime:
             self.eos = eos
             mx.synchronize()
 
-    # -- public API ----------------------------------------------------------
     def generate(
         self,
         prompts: Sequence[Union[str, Sequence[int]]],
@@ -191,10 +162,8 @@ class BatchRuntime:
         stop_token_ids: Sequence[int] = (),
         logprobs: bool = False,
     ) -> List[Completion]:
-        """Complete every prompt; results in input order (then sample order).
-
-        A prompt is a string or a list of token ids; one whose ids are not
-        integers in the vocabulary ends as an error completion."""
+        """Complete every prompt (a string or token ids); results in input,
+        then sample, order. A prompt with invalid ids ends as an error."""
         prompts = prompt_list(prompts)
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
@@ -216,11 +185,8 @@ class BatchRuntime:
             )
             for i, (p, sp) in enumerate(zip(prompts, sampling))
         ]
-        # Unlike `stream`, nothing of the caller's runs between completions,
-        # so OpenBLAS keeps the cycles' thread count to the end: handing the
-        # caller's back at each completion waited for the cycle in flight
-        # twice per finished row (at batch 4 speculating cycles run 1 thread,
-        # the caller 2).
+        # No caller code runs between completions: the OpenBLAS thread count
+        # is handed back once, at the end (docs/performance.md).
         try:
             out = list(self._stream(requests, seed_value(seed)))
         finally:
@@ -243,11 +209,7 @@ class BatchRuntime:
         waiting = _Samples(iter(requests))
         inflight = None
         while True:
-            # The next cycle is launched before the host reads the one in
-            # flight, so reading overlaps with device compute. (On the CPU
-            # backend the host can queue only ~100 ops ahead; the trunk pass
-            # is started a layer at a time so that building it overlaps too,
-            # mtplx.compiled.StagedPass.)
+            # Launch the next cycle before reading the one in flight: reading overlaps compute.
             if inflight is not None and self._may_end_rows(inflight):
                 yield from self._collect(batch, inflight)
                 inflight = None
@@ -278,7 +240,6 @@ class BatchRuntime:
                 self.policy.finished()
                 return
 
-    # -- refill --------------------------------------------------------------
     def _refill(self, batch: SlotBatch, waiting: "_Samples", seed: int, in_flight: int) -> Iterator[Completion]:
         for b in batch.free_slots():
             while batch.rows[b] is None and waiting.pending:
@@ -301,8 +262,7 @@ class BatchRuntime:
 
     @staticmethod
     def _set_sampling(batch: SlotBatch, seed: int):
-        """The rows' sampling settings and key material as the device arrays
-        every cycle takes; they change only when rows come or go."""
+        """The rows' sampling settings and key material as device arrays (rebuilt when rows change)."""
         rows = batch.rows
         batch.sampling = batch_sampling([r.req.sampling if r is not None else SamplingParams() for r in rows])
         batch.key_base = (
@@ -316,10 +276,8 @@ class BatchRuntime:
         )  # [B] uint64
 
     def _may_end_rows(self, inf: "_InFlight") -> bool:
-        """Whether the cycle in flight can take a row to its max_tokens. Then
-        it is read before the next launch: launched behind it, the next cycle
-        would compute that row's slot for nothing (and, for the batch's last
-        rows, a whole cycle) instead of refilling or shrinking first."""
+        """Whether the cycle in flight can end a row at max_tokens: then it is
+        read first, so the next cycle does not compute that slot for nothing."""
         return any(r is not None and len(r.tokens) + inf.depth + 1 >= r.req.max_tokens for r in inf.rows)
 
     def _should_shrink(self, batch: SlotBatch, waiting: "_Samples") -> bool:
@@ -372,14 +330,8 @@ class BatchRuntime:
         return out
 
     def _prefill_head(self) -> bool:
-        """Whether prompts are prefilled through the head too: only where
-        their rows may draft soon. Under depth "auto" with sampled rows kept
-        plain and the greedy controller off, a head pass over every prompt
-        would be work for nothing (27.5 -> 31.1 ms, a batch-1 prompt pass of
-        128 tokens on the built-in model); a row prefilled without it
-        drafts, once a probe turns speculation on, from a head history with
-        a gap, as rows that lived through an off spell do: that costs
-        acceptance, never output."""
+        """Whether prompts also go through the head (where rows may draft soon);
+        a gap in a row's head history costs acceptance, never output."""
         return self.depth > 0 and self.policy.prefills_head()
 
     def _encode(self, req: Request) -> List[int]:
@@ -392,9 +344,7 @@ class BatchRuntime:
         vocab = self.model.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise PromptError(f"prompt token ids must be in [0, {vocab})")
-        # The verify writes up to k positions past a row's last one; only
-        # rejected drafts land there, and RoPE positions have no hard end, so
-        # the limit is on what the row keeps, as vLLM's max_model_len is.
+        # Only rejected drafts land past it: the limit is on what a row keeps, as vLLM's.
         limit = self.model.max_context
         if limit is not None and len(ids) + req.max_tokens > limit:
             raise PromptError(
@@ -444,11 +394,7 @@ class BatchRuntime:
                 c.host_max = span
         verify_in = mx.concatenate([batch.primary[:, None], drafts], axis=1)  # [B, k+1]
         logits, hidden = self._verify((verify_in,), batch.trunk, T=k + 1)  # [B, k+1, V], [B, k+1, H]
-        # Its tail computes while the host builds accept and commit. Staged
-        # so, cycles took 4-7% less time at batch 4 (depths 0-3), 2-4% at
-        # batch 1 (depths 1-3) and 5% at batch 16 (depth 2) than with one
-        # evaluation at the end: the CPU backend starts a graph only when it
-        # is evaluated, and building one cycle's graphs takes ~1-2 ms.
+        # Started now, so its tail computes while the host builds accept and commit.
         mx.async_eval(logits, hidden)
         d = decide(
             logits,
@@ -480,17 +426,13 @@ class BatchRuntime:
         return _InFlight(rows, k, accepted, emitted_ids, d.num_valid, d.bad, d.logprobs)
 
     def _draft(self, batch: SlotBatch, span: int, draws: Optional[mx.array], k: int):
-        """Head catch-up, then d_1..d_k per row (depth i>1 feeds the head its
-        own output back), in one graph (mtplx.draft_chain); only the
-        catch-up's entries stay in the head caches."""
+        """Head catch-up, then d_1..d_k, in one graph (decode.draft)."""
         pending = HeadPending(batch.cu_hidden, batch.cu_tokens, batch.cu_take, batch.cu_keep)
         return self._draft_chain(pending, draws, batch.sampling, batch.head, k, span)
 
-    # -- reading a finished cycle (host) -------------------------------------
     def _collect(self, batch: SlotBatch, inf: "_InFlight") -> List[Completion]:
         t0 = time.perf_counter()
-        # Python lists: the per-row loop below indexes them B times a cycle,
-        # which numpy scalars make several times slower.
+        # Python lists: the per-row loop indexes them, numpy scalars are slower.
         a = inf.accepted.tolist()  # waits for the cycle
         ids = inf.emitted_ids.tolist()
         nv = inf.nv.tolist()
@@ -511,17 +453,14 @@ class BatchRuntime:
         self.stats["decode_seconds"] += time.perf_counter() - t0
         return finished
 
-    # -- emit and stop rules (host) -----------------------------------------
     def _emit_row(self, row: Row, a: int, ids, nv: int, bad: bool, lp) -> Optional[Completion]:
         row.steps += 1
         if nv:
             row.drafted[:nv] += 1
         if a:
             row.accepted[:a] += 1
-        # When the decided position's logits are non-finite, the drafts
-        # accepted before it still stand: one of them may end the row (an
-        # end-of-sequence token, a stop string, max_tokens), and then plain
-        # decoding would never have computed that position.
+        # Drafts accepted before a non-finite decided position stand: one may
+        # end the row, and then plain decoding never computes that position.
         new = ids[: a if bad else a + 1]
         if lp is not None and row.logprobs is not None:
             row.logprobs.extend(lp[: len(new)])
@@ -541,8 +480,7 @@ class BatchRuntime:
         stop_ids = row.stop_ids
         stop_at = next((start + i for i, t in enumerate(new) if t in stop_ids), None)
         if req.stop:
-            # Only the tokens before a stop id: plain decoding, one token a
-            # cycle, would have met a stop string among them first.
+            # Only tokens before a stop id: plain decoding meets those first.
             upto = len(row.tokens) if stop_at is None else stop_at
             hit = find_stop_string(self.model.tokenizer, row.tokens[:upto], req.stop, row.stop_checked)
             if hit is not None:
@@ -619,20 +557,9 @@ class _Prepared:
 
 
 class _Samples:
-    """Expands requests into (request, sample) rows. Requests are pulled a
-    group at a time and prefilled together (up to a batch's rows and a padded
-    token budget); a request's n samples share one prefill.
-
-    A group fills a whole batch even when one slot is free: the rows beyond
-    it wait, prefilled, for the next slots to free. A speculating batch's
-    rows finish one at a time, and prefilling each alone cost more per row
-    and came between cycles 4x as often: at batch 4 (32 prompts streamed,
-    64 new tokens) a whole batch per group ran depth 1 at 1.07x [1.01, 1.11]
-    and depth 2 at 1.06x [1.02, 1.11] the tokens/s of a group per free slot
-    (20 paired rounds, same tokens), prefilling 25 ms a row where one row at
-    a time took 31 and 30 (808 ms a run against 998 and 969). The rows
-    waiting hold at most one group's prefill state, which the token budget
-    bounds."""
+    """Expands requests into (request, sample) rows, prefilled a group at a
+    time (up to a batch's rows and a padded token budget, even when one slot
+    is free: docs/performance.md); a request's n samples share one prefill."""
 
     def __init__(self, requests: Iterator[Request]):
         self.requests = requests
@@ -645,9 +572,7 @@ class _Samples:
         return bool(self.ready) or self.ahead is not None or not self.exhausted
 
     def drained(self) -> bool:
-        """Whether no row is left to come. Reads one request ahead when none
-        is ready, so a batch knows that nothing will refill it before a slot
-        frees, not at the first refill that finds nothing."""
+        """Whether no row is left to come (reads one request ahead to know early)."""
         if not self.ready and self.ahead is None and not self.exhausted:
             self.ahead = self._pull()
         return not self.pending

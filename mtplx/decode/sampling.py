@@ -1,25 +1,8 @@
 """Per-row sampling: parameters, logit processing, keyed randomness and the
-vectorised speculative accept/correct/bonus step.
-
-Randomness is counter based. Every draw is a pure function of a uint32 [2]
-key (built by integer arithmetic from the job seed, a stable hash of the row
-id, the sample index, the token position and a purpose constant) and of the
-element's index within the draw. Nothing depends on global RNG state, on the
-other rows of the batch or on the process, which is what makes a row's output
-independent of batch composition and resumable.
-
-Draw bits come from the SplitMix64 construction: the j-th 64-bit word of key
-s is mix64(s + (j+1) * GAMMA), with mix64 the SplitMix64 finaliser. It is
-computed here in uint64 on device rather than with mx.random because the
-latter cannot return raw bits and its float uniforms can round up to exactly
-1.0, which would break "a one-hot target always accepts".
-
-Two acceptance rules (see DESIGN.md, "Randomness, exactness and
-reproducibility"):
-- "residual": classic speculative sampling, highest acceptance.
-- "coupled": draft and target share per-position Gumbel noise; the output is
-  exactly what plain keyed sampling emits, whatever the depth.
-"""
+vectorised accept/correct/bonus step. Every draw is a pure function of a key
+(no global RNG state) made of SplitMix64 words on device: mx.random's
+uniforms can round up to 1.0. See docs/design.md, "Exactness" and "Keyed
+randomness"."""
 
 from __future__ import annotations
 
@@ -39,9 +22,6 @@ from mtplx.decode.numerics import ZERO_MASS_TOL, log_softmax_f32, nonfinite_rows
 RULES = ("residual", "coupled")
 
 
-# ---------------------------------------------------------------- parameters
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How one row samples. temperature 0 means greedy (argmax, ties to the
@@ -51,10 +31,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
-    # A row's own seed, mixed into its keys with the job seed and the row id
-    # (DESIGN "Keys"): the same row id, seed and job seed draw the same tokens
-    # in any batch, job or resume. Unlike vLLM's per-request seed it does not
-    # make two rows with different ids draw alike.
+    # Mixed into the row's key with its row id: unlike vLLM's seed, rows with other ids still differ.
     seed: int | None = None
 
     def __post_init__(self):
@@ -87,7 +64,7 @@ class BatchSampling(NamedTuple):
     top_p: mx.array  # [B] float32
     min_p: mx.array  # [B] float32
     greedy: mx.array  # [B] bool
-    # Host-side facts, so the hot path never reads the device to branch.
+    # Host-side, so the hot path never reads the device to branch.
     any_filter: bool = True  # some sampled row uses top-k / top-p / min-p
     all_greedy: bool = False
     any_greedy: bool = True  # some row is greedy: its one-hot is built alongside
@@ -114,22 +91,18 @@ def batch_sampling(params: Sequence[SamplingParams]) -> BatchSampling:
     )
 
 
-# ------------------------------------------------------------------- keys
-
 _U64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64 increment (odd, golden ratio)
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-# Domain constants, so that e.g. "seed 5" and "sample index 5" never feed the
-# mixer the same word at the same step. Arbitrary odd 64-bit values.
+# Arbitrary odd salts, so "seed 5" and "sample index 5" never mix alike.
 _SALT_SEED = 0xD1B54A32D192ED03
 _SALT_POS = 0x8CB92BA72F3D8DD7
 _SALT_PURPOSE = 0xA0761D6478BD642F
 
 
 class Purpose(enum.IntEnum):
-    """What a random draw is for; mixed into the key so draws never reuse
-    each other's randomness."""
+    """What a draw is for; mixed into its key so draws never share bits."""
 
     DRAFT = 1  # the drafter's categorical draw (residual rule)
     ACCEPT = 2  # the uniform of the accept test
@@ -147,18 +120,14 @@ def _mx_u64(v):
 
 
 def _mix64(z, const):
-    """SplitMix64 finaliser: a bijection on 64-bit words with strong
-    avalanche. `const` builds z's uint64 scalar type (numpy or mlx)."""
+    """SplitMix64 finaliser (a bijection); `const` makes z's uint64 scalar (numpy or mlx)."""
     z = (z ^ (z >> const(30))) * const(_MIX1)
     z = (z ^ (z >> const(27))) * const(_MIX2)
     return z ^ (z >> const(31))
 
 
 def row_hash(row_id) -> int:
-    """Stable 64-bit hash of a row id (never Python's salted hash()).
-
-    The type is part of the hashed bytes, so 7, "7" and b"7" differ.
-    """
+    """Stable 64-bit hash of a row id (not Python's salted hash()); 7, "7" and b"7" differ."""
     if isinstance(row_id, (int, np.integer)) and not isinstance(row_id, (bool, np.bool_)):
         data = b"int:" + str(int(row_id)).encode()
     elif isinstance(row_id, str):
@@ -171,10 +140,8 @@ def row_hash(row_id) -> int:
 
 
 def _row_base(seed: int, row_hashes, sample_index) -> np.ndarray:
-    """uint64 [B]: per-row key material from seed, row hash and sample index,
-    on the host (64-bit integer math, wrapping)."""
-    # Through Python ints: numpy would turn a list mixing ints above and
-    # below 2**63 into float64 and silently drop bits.
+    """uint64 [B]: per-row key material from seed, row hash and sample index (host, wrapping)."""
+    # Through Python ints: numpy reads a list mixing ints above and below 2**63 as float64.
     if hasattr(row_hashes, "tolist"):
         row_hashes = row_hashes.tolist()
     hashes = np.array([int(h) & _U64 for h in row_hashes], dtype=np.uint64)  # [B]
@@ -203,21 +170,14 @@ def _split64(words: mx.array) -> mx.array:
 
 
 def position_keys(seed: int, row_hashes, sample_index, positions: mx.array, compiled: bool = False) -> mx.array:
-    """uint32 [B, T, 2]: the key of each row's token at each position.
-
-    row_hashes: B ints from row_hash; sample_index: B ints (or one int);
-    positions: int [B, T], the absolute token index within the completion
-    (any shape [B, ...] works). A row's keys depend only on its own inputs.
-    seed None is read as 0. `compiled` runs the device mixing as one traced
-    graph (integer ops: the same words either way).
-    """
+    """uint32 [B, T, 2]: the key of each row's token at each completion
+    position [B, T]; row_hashes from row_hash, sample_index B ints (or one),
+    seed None is 0. `compiled` traces the mixing (the same words)."""
     return keys_from_base(row_key_base(seed, row_hashes, sample_index), positions, compiled)
 
 
 def row_key_base(seed: int, row_hashes, sample_index) -> mx.array:
-    """uint64 [B]: each row's key material, which `keys_from_base` mixes
-    with positions; it changes only when the rows do (a decode batch keeps
-    it from cycle to cycle)."""
+    """uint64 [B]: each row's key material, which `keys_from_base` mixes with positions."""
     return mx.array(_row_base(seed, row_hashes, sample_index))
 
 
@@ -257,14 +217,12 @@ def _purpose_word(keys: mx.array, purpose: Purpose) -> mx.array:
 
 
 def purpose_keys(keys: mx.array, purpose: Purpose) -> mx.array:
-    """uint32 [..., 2]: keys with a purpose mixed in (injective both in the
-    key and in the purpose)."""
+    """uint32 [..., 2]: keys with a purpose mixed in (injective in both)."""
     return _split64(_purpose_word(keys, purpose))
 
 
 def _stream_words(word: mx.array, n: int) -> mx.array:
-    """uint64 [..., n]: the first n words of the SplitMix64 stream of each
-    key word [...]. Word j depends only on the key and j."""
+    """uint64 [..., n]: the first n SplitMix64 stream words of each key word."""
     j = mx.arange(1, n + 1, dtype=mx.uint64)  # [n]
     return _mix64(word[..., None] + j * _mx_u64(_GAMMA), _mx_u64)  # [..., n]
 
@@ -279,25 +237,16 @@ def _gumbel_of(words: mx.array) -> mx.array:
 
 
 def uniform_from_keys(keys: mx.array) -> mx.array:
-    """float32 [...] uniform in [0, 1), one per key, on a 2**-24 grid so it
-    is exact in float32 and strictly below 1 (a one-hot target always
-    accepts)."""
+    """float32 [...] uniform on a 2**-24 grid below 1 (a one-hot target always accepts)."""
     return _uniform_of(_stream_words(_join64(keys), 1)[..., 0])  # [...]
 
 
 def gumbel_from_keys(keys: mx.array, n: int) -> mx.array:
-    """float32 [..., n] standard Gumbel noise, element j from (key, j).
-
-    The uniform is the midpoint of a 2**-23 cell, so it lies in (0, 1)
-    exactly and both logs stay finite.
-    """
+    """float32 [..., n] Gumbel noise from cell midpoints (finite logs), element j from (key, j)."""
     return _gumbel_of(_stream_words(_join64(keys), n))  # [..., n]
 
 
-# The draws of a decode cycle: the same numbers as uniform_from_keys and
-# gumbel_from_keys of purpose_keys, without the round trip through uint32
-# pairs (a stack and four casts between two hashes; 13 us of a 150 us
-# sampled decision at batch 1, per uniform).
+# The cycle's draws: the *_from_keys of purpose_keys without the uint32 round trip.
 
 
 def _uniform_for(keys: mx.array, purpose: Purpose) -> mx.array:
@@ -308,21 +257,13 @@ def _gumbel_for(keys: mx.array, purpose: Purpose, n: int) -> mx.array:
     return _gumbel_of(_stream_words(_purpose_word(keys, purpose), n))  # [..., n]
 
 
-# The residual rule's three uniforms, in this order on the last axis of
-# `residual_uniforms`.
+# The last axis of `residual_uniforms`.
 RESIDUAL_DRAWS = (Purpose.DRAFT, Purpose.ACCEPT, Purpose.RESIDUAL)
 
 
 def residual_uniforms(base: mx.array, positions: mx.array, compiled: bool = False) -> mx.array:
-    """float32 [B, T, 3]: for each row's positions, the uniforms of
-    RESIDUAL_DRAWS, the same numbers as `_uniform_for(keys_from_base(base,
-    positions), purpose)`.
-
-    A residual-rule cycle draws a draft at each depth, accept tests and one
-    correction or bonus, each from its position's key. Drawn one purpose and
-    one depth at a time, each draw was its own run of hash ops on a few
-    elements, about 40 us a run on the CPU backend even traced (six runs a
-    cycle at depth 3, counting the keys); here one run covers them all."""
+    """float32 [B, T, 3]: `_uniform_for(keys_from_base(base, positions), p)` for
+    each p of RESIDUAL_DRAWS, in one run of hash ops."""
     return (_residual_uniforms_compiled if compiled else _residual_uniforms)(base, positions)
 
 
@@ -341,9 +282,6 @@ def residual_draw(uniforms: mx.array, purpose: Purpose) -> mx.array:
     return uniforms[..., RESIDUAL_DRAWS.index(purpose)]
 
 
-# ------------------------------------------------------- logit processing
-
-
 def _lowest_argmax(x: mx.array) -> mx.array:
     """int32 [...]: index of the maximum of x [..., V], ties to the lowest."""
     V = x.shape[-1]
@@ -357,25 +295,18 @@ def _one_hot(idx: mx.array, V: int) -> mx.array:
 
 
 def _filter_logits(z: mx.array, top_k: mx.array, top_p: mx.array, min_p: mx.array) -> mx.array:
-    """Top-k, then top-p, then min-p on temperature-scaled logits z [B, T, V];
-    params are [B, 1, 1]. Removed tokens become -inf.
-
-    Each filter keeps a prefix of the tokens sorted by logit, so their
-    intersection is a prefix too: it is found in sorted space and mapped back
-    as a logit threshold. Tokens tied with the last kept one are kept, which
-    keeps the result independent of token-id order.
-    """
+    """Top-k, top-p, then min-p on scaled logits z [B, T, V] (params [B, 1, 1]),
+    removed tokens -inf. Each keeps a sorted prefix, so together they are a
+    logit threshold: ties with the last kept token stay (id order is moot)."""
     V = z.shape[-1]
     s = -mx.sort(-z, axis=-1)  # [B, T, V] descending
     rank = mx.arange(V, dtype=mx.int32)  # [V]
     keep = (top_k == 0) | (rank < top_k)  # [B, 1, V]
     ps = mx.exp(log_softmax_f32(mx.where(keep, s, -mx.inf)))  # [B, T, V], renormalised after top-k
     mass_before = mx.cumsum(ps, axis=-1, inclusive=False)  # [B, T, V]
-    # top-p: the smallest prefix whose mass reaches top_p; 1 is "off" exactly,
-    # not "cumulative mass below 1.0", which float rounding could violate.
+    # top-p 1 is "off" exactly, not "mass below 1.0", which rounding could break.
     keep = keep & ((top_p >= 1.0) | (mass_before < top_p))
-    # min-p relative to the most likely token; renormalising the kept set
-    # does not change the ratio, so it is a logit gap: s - s_0 >= log(min_p).
+    # min-p is a ratio to the top token, so a logit gap: s - s_0 >= log(min_p).
     keep = keep & (s - s[..., :1] >= mx.log(min_p))
     n_keep = mx.maximum(mx.sum(keep, axis=-1, keepdims=True), 1).astype(mx.int32)  # [B, T, 1]
     threshold = mx.take_along_axis(s, n_keep - 1, axis=-1)  # [B, T, 1]
@@ -383,27 +314,18 @@ def _filter_logits(z: mx.array, top_k: mx.array, top_p: mx.array, min_p: mx.arra
 
 
 def target_probs(logits: mx.array, bs: BatchSampling, finite: bool = False) -> mx.array:
-    """float32 [B, T, V] (or [B, V] for [B, V] logits): each row's sampling
-    distribution under its own parameters.
-
-    Order: temperature, then top-k, top-p, min-p, then renormalise. Greedy
-    rows are the one-hot of the argmax (ties to the lowest id). A position
-    whose logits hold a NaN or +inf comes out all NaN, greedy rows included,
-    so the non-finite checks see it instead of a token being made up;
-    `finite` says the caller has already replaced such positions (the decode
-    cycle's graphs do), which saves that check's reduction.
-    """
+    """float32 [B, T, V] (or [B, V]): each row's distribution (temperature,
+    filters, renormalise; greedy: the argmax's one-hot). A position with a NaN
+    or +inf logit comes out all NaN, unless `finite` says none has one."""
     if logits.ndim == 2:
         return target_probs(logits[:, None, :], bs, finite)[:, 0, :]
     x = logits.astype(mx.float32)  # [B, T, V]
     V = x.shape[-1]
     col = lambda a: a.reshape(-1, 1, 1)  # [B] -> [B, 1, 1]
     greedy = col(bs.greedy)
-    # A greedy row's temperature 0 would divide by zero; its probabilities
-    # are replaced by the one-hot anyway.
+    # A greedy row's 0 would divide by zero; its one-hot replaces the result.
     temperature = mx.where(greedy, 1.0, col(bs.temperature)) if bs.any_greedy else col(bs.temperature)
-    # Shifted before the division, so the top logit is exactly 0 at any
-    # temperature: x / 1e-40 overflows to inf, and the softmax of inf is NaN.
+    # Shifted first, so the top is exactly 0 at any temperature (x / 1e-40 overflows).
     z = (x - mx.max(x, axis=-1, keepdims=True)) / temperature  # [B, T, V], max 0
     if bs.all_greedy:
         probs = _one_hot(greedy_tokens(logits), V)
@@ -420,20 +342,14 @@ def target_probs(logits: mx.array, bs: BatchSampling, finite: bool = False) -> m
 
 
 def _softmax_of_max_zero(z: mx.array) -> mx.array:
-    """Softmax over the last axis of float32 z whose maximum is 0 (so no exp
-    overflows), with exp as 2^(z log2 e) (`cpu_activations.pow_exp`): within
-    3.7e-6 of exp, as MLX's own CPU exp is, and several times faster there.
-    mx.softmax took 108 us of a 236 us sampled token decision at batch 16
-    over the built-in model's 512 tokens (about 2% of a decode cycle per
-    softmax; a drafting cycle takes k + 1). Masked (-inf) entries come out
-    exactly 0."""
+    """Softmax over the last axis of float32 z (max 0) with the backend's exp (on
+    the CPU `pow_exp`, within 3.7e-6, as MLX's exp is); -inf entries give 0."""
     e = backends.probabilities_exp(z)
     return e / mx.sum(e, axis=-1, keepdims=True)
 
 
 def _per_row(mask, ndim: int) -> mx.array:
-    """A scalar or per-row mask ([B] or [B, T]) shaped to broadcast against
-    an ndim-dimensional [..., V] tensor from the leading axes."""
+    """A scalar or per-row mask ([B] or [B, T]) shaped to broadcast against [..., V]."""
     m = mx.array(mask, dtype=mx.float32) if not isinstance(mask, mx.array) else mask.astype(mx.float32)
     if m.ndim == 0 or m.ndim == ndim:
         return m
@@ -441,14 +357,8 @@ def _per_row(mask, ndim: int) -> mx.array:
 
 
 def residual_distribution(target: mx.array, draft: mx.array, mask=None) -> mx.array:
-    """float32 [..., V]: normalise(max(p - mask * q, 0)) over the last axis.
-
-    mask None means 1 (the correction after a rejection); 0 gives the target
-    (the bonus token). Clipping happens before the sum, so float dust (tiny
-    negative differences) never becomes a negative probability. Where the
-    residual mass is <= ZERO_MASS_TOL the target itself is returned (see
-    ZERO_MASS_TOL for why that is exact to within the tolerance).
-    """
+    """float32 [..., V]: normalise(max(p - mask * q, 0)), mask None = 1 (the
+    correction), 0 = the bonus; a mass <= ZERO_MASS_TOL returns p."""
     p = target.astype(mx.float32)
     q = draft.astype(mx.float32)
     m = 1.0 if mask is None else _per_row(mask, p.ndim)
@@ -459,21 +369,11 @@ def residual_distribution(target: mx.array, draft: mx.array, mask=None) -> mx.ar
     return mx.where(empty, safe_normalize(mx.maximum(p, 0.0)), r)
 
 
-# ---------------------------------------------------------------- drawing
-
-
 def _categorical(probs: mx.array, u: mx.array) -> mx.array:
-    """int32 [...]: inverse-CDF draw from probs [..., V] (need not sum to 1)
-    with uniforms u [...] in [0, 1).
-
-    Token j is chosen when cdf_{j-1} <= u * total < cdf_j, so a zero-probability
-    token can never be chosen. `cdf < total` guards u * total rounding up to
-    total, which float32's round-to-nearest never does for the uniforms
-    `uniform_from_keys` makes (below 1 on a 2**-24 grid) but another u or
-    backend might: the count then stops at the first position whose cdf
-    reaches total, a token of positive probability. cdf never falls, so both
-    conditions hold on a prefix and one reduction counts it.
-    """
+    """int32 [...]: inverse-CDF draw from probs [..., V] (any total), u [...]
+    in [0, 1): j where cdf_{j-1} <= u * total < cdf_j, never a zero-probability
+    token. `cdf < total` guards u * total rounding up; both conditions hold on
+    a prefix (cdf never falls), so one sum counts it."""
     cdf = mx.cumsum(probs, axis=-1)  # [..., V]
     total = cdf[..., -1:]  # [..., 1]
     point = u[..., None] * total  # [..., 1]
@@ -481,8 +381,7 @@ def _categorical(probs: mx.array, u: mx.array) -> mx.array:
 
 
 def _gumbel_argmax(probs: mx.array, keys: mx.array) -> mx.array:
-    """int32 [...]: argmax(log probs + Gumbel noise of the GUMBEL key),
-    an exact draw from probs [..., V]."""
+    """int32 [...]: argmax(log probs + GUMBEL noise), an exact draw from probs [..., V]."""
     noise = _gumbel_for(keys, Purpose.GUMBEL, probs.shape[-1])  # [..., V]
     return mx.argmax(mx.log(probs.astype(mx.float32)) + noise, axis=-1).astype(mx.int32)
 
@@ -493,13 +392,8 @@ def _check_rule(rule: str) -> None:
 
 
 def draft_tokens(q: mx.array, keys: mx.array, rule: str) -> mx.array:
-    """int32 [B, T]: the drafter's tokens from q [B, T, V] with position keys
-    [B, T, 2] (any matching leading shape works).
-
-    residual: a categorical draw with the DRAFT key. coupled: the Gumbel-argmax
-    under the same noise the target uses at that position. One-hot q (greedy
-    rows) gives its hot token under either rule.
-    """
+    """int32 [B, T]: drafts from q [B, T, V], keys [B, T, 2]: residual, a DRAFT
+    draw; coupled, the Gumbel-argmax under the target's noise."""
     _check_rule(rule)
     if rule == "coupled":
         return _gumbel_argmax(q, keys)
@@ -507,15 +401,13 @@ def draft_tokens(q: mx.array, keys: mx.array, rule: str) -> mx.array:
 
 
 def residual_draft(q: mx.array, u: mx.array) -> mx.array:
-    """int32 [B, T]: the residual rule's draft from q [B, T, V] with its DRAFT
-    uniforms u [B, T] (`residual_uniforms`)."""
+    """int32 [B, T]: the residual rule's draft from q [B, T, V], DRAFT uniforms u [B, T]."""
     return _categorical(q, u)
 
 
 def sample_plain(p: mx.array, keys: mx.array, rule: str) -> mx.array:
-    """int32 [B, T]: the non-speculative keyed sampler each rule reduces to at
-    depth 0 (coupled: Gumbel-argmax with GUMBEL keys; residual: categorical
-    with RESIDUAL keys, through the same mask-0 residual the bonus uses)."""
+    """int32 [B, T]: the keyed sampler each rule reduces to at depth 0
+    (coupled: Gumbel-argmax; residual: the bonus's draw, RESIDUAL keys)."""
     _check_rule(rule)
     if rule == "coupled":
         return _gumbel_argmax(p, keys)
@@ -523,14 +415,12 @@ def sample_plain(p: mx.array, keys: mx.array, rule: str) -> mx.array:
 
 
 def _plain_residual_draw(p: mx.array, u: mx.array) -> mx.array:
-    """int32 [B, T]: the residual rule's depth-0 draw from p [B, T, V] with
-    RESIDUAL uniforms u [B, T], through the same mask-0 residual the bonus uses."""
+    """int32 [B, T]: the residual rule's depth-0 draw from p [B, T, V], uniforms u [B, T]."""
     return _categorical(residual_distribution(p, mx.zeros_like(p), 0.0), u)
 
 
 def _accept_flags(u: mx.array, p_d: mx.array, q_d: mx.array) -> mx.array:
-    """u < p(d)/q(d) written without division: q(d) = 0 with p(d) > 0 accepts
-    (ratio +inf), both zero rejects."""
+    """u < p(d)/q(d) without division: q(d) = 0 < p(d) accepts, both 0 rejects."""
     return u * q_d < p_d
 
 
@@ -555,24 +445,10 @@ def speculative_accept(
     rule: str = "residual",
     check_finite: bool = True,
 ) -> tuple[mx.array, mx.array]:
-    """One accept/correct/bonus step for a batch: (accepted [B], next [B]).
-
-    draft [B, k] int32, q [B, k, V], p [B, k+1, V], keys [B, k+1, 2] where
-    keys[:, i] is the position key of the token at completion position
-    start + i (draft d_{i+1} and target p_{i+1} share it). num_valid [B]
-    (default k) limits each row to its first num_valid drafts; the bonus then
-    comes from p at index num_valid.
-
-    residual: accept d_i while u_i * q_i(d_i) < p_i(d_i) (ACCEPT key of
-    position i-1); on a rejection at a+1 the next token is drawn from
-    residual(p_{a+1}, q_{a+1}), else from p_{a+1} (the bonus), with the
-    RESIDUAL key of position a.
-    coupled: t_i is the Gumbel-argmax of p_i (GUMBEL key); accept d_i while
-    d_i == t_i; the next token is t_{a+1}, so the output equals sample_plain.
-
-    check_finite raises NonFiniteError naming rows whose p or q is not finite;
-    with False the caller is expected to use nonfinite_rows itself.
-    """
+    """One accept/correct/bonus step (docs/design.md, "Exactness"): draft [B, k],
+    q [B, k, V], p [B, k+1, V], keys [B, k+1, 2] (d_{i+1} and p_{i+1} share
+    keys[:, i]) -> (accepted [B], next [B]). num_valid [B] (default k) limits
+    each row's drafts. check_finite raises NonFiniteError on rows of p or q."""
     _check_rule(rule)
     B, k = draft.shape
     V = p.shape[-1]
@@ -587,7 +463,7 @@ def speculative_accept(
         nv = mx.full((B,), k, dtype=mx.int32)
     else:
         nv = mx.clip(mx.array(num_valid).astype(mx.int32).reshape(B), 0, k)  # [B]
-    if k == 0:  # no drafts: what each rule reduces to, without the empty [B, 0] ops (0.14 ms at batch 16)
+    if k == 0:  # no drafts: what each rule reduces to, without the empty [B, 0] ops
         return mx.zeros((B,), dtype=mx.int32), sample_plain(p, keys, rule)[:, 0]
     valid = mx.arange(k, dtype=mx.int32)[None, :] < nv[:, None]  # [B, k]
     draft = draft.astype(mx.int32)
@@ -605,11 +481,8 @@ def speculative_accept(
 def residual_accept(
     draft: mx.array, q: mx.array, p: mx.array, uniforms: mx.array, num_valid: mx.array
 ) -> tuple[mx.array, mx.array]:
-    """`speculative_accept` under the residual rule, with the cycle's
-    `residual_uniforms` [B, k+1, 3] drawn beforehand instead of its keys:
-    the same (accepted [B], next [B]). draft [B, k] int32, q [B, k, V],
-    p [B, k+1, V], num_valid [B] int32 in 0..k; values are not checked
-    (the decode cycle's graphs guard non-finite positions themselves)."""
+    """`speculative_accept`, residual rule, from `residual_uniforms` [B, k+1, 3];
+    num_valid [B] in 0..k; no finite check (the cycle's graphs guard)."""
     k = draft.shape[1]
     u_residual = residual_draw(uniforms, Purpose.RESIDUAL)  # [B, k+1]
     if k == 0:  # sample_plain's residual draw
@@ -620,14 +493,12 @@ def residual_accept(
 
 
 def _residual_accept(draft, q, p, u_accept, u_residual, valid, nv) -> tuple[mx.array, mx.array]:
-    """Accept d_i while u_i * q_i(d_i) < p_i(d_i), then the correction or
-    bonus draw: u_accept [B, k], u_residual [B, k+1], valid [B, k], nv [B]."""
+    """Accept, then correct or bonus: u_accept [B, k], u_residual [B, k+1], valid [B, k], nv [B]."""
     k = draft.shape[1]
     p_d = mx.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, k]
     q_d = mx.take_along_axis(q, draft[..., None], axis=-1)[..., 0]  # [B, k]
     accepted = _accepted_count(_accept_flags(u_accept, p_d, q_d) & valid)  # [B]
-    # q has no entry at index k. Any finite row stands in there (and at an
-    # index past a row's num_valid): the bonus's mask 0 makes it exactly 0.
+    # q has no index k: any finite row stands in, the bonus's mask 0 zeroes it.
     q_next = _at(q, mx.minimum(accepted, k - 1))  # [B, V]
     mask = (accepted < nv).astype(mx.float32)  # [B]: 1 = correction, 0 = bonus
     residual = residual_distribution(_at(p, accepted), q_next, mask)  # [B, V]
@@ -635,11 +506,8 @@ def _residual_accept(draft, q, p, u_accept, u_residual, valid, nv) -> tuple[mx.a
 
 
 def greedy_accept(draft: mx.array, logits: mx.array, num_valid=None) -> tuple[mx.array, mx.array]:
-    """speculative_accept for a batch whose rows are all greedy, without the
-    probability tensors: accept d_i while it is the target's argmax (ties to
-    the lowest id), then emit the argmax at the first rejected or bonus
-    position. draft [B, k], logits [B, k+1, V] -> (accepted [B], next [B]).
-    """
+    """speculative_accept for all-greedy rows, on argmaxes alone:
+    draft [B, k], logits [B, k+1, V] -> (accepted [B], next [B])."""
     B, k = draft.shape
     target = greedy_tokens(logits)  # [B, k+1]
     nv = mx.full((B,), k, dtype=mx.int32) if num_valid is None else mx.clip(num_valid.astype(mx.int32), 0, k)
@@ -649,14 +517,10 @@ def greedy_accept(draft: mx.array, logits: mx.array, num_valid=None) -> tuple[mx
 
 
 def greedy_tokens(logits: mx.array) -> mx.array:
-    """int32 [...]: the greedy token at each position of logits [..., V], as
-    mlx-lm's greedy sampler picks it: the lowest id among the largest
-    log-probabilities, `logits - logsumexp(logits)` in the logits' own dtype.
-    In half precision that subtraction rounds logits a step apart (4e-3 to
-    2e-2 in bfloat16) to one value, and mlx-lm takes the lower id where the
-    top logit may be the higher one. In float32 it can only tie logits
-    closer than about 1e-6, below DESIGN's 1e-4 near-tie bound, so the
-    logsumexp (an exp per vocabulary entry) is left out there."""
+    """int32 [...]: mlx-lm's greedy token, the lowest id among the largest
+    `logits - logsumexp(logits)` in the logits' dtype. That subtraction can tie
+    half-precision logits a step apart; in float32 only ones under ~1e-6 apart
+    (below the 1e-4 near-tie bound), so float32 skips it."""
     if logits.dtype != mx.float32:
         logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return _lowest_argmax(logits)

@@ -39,14 +39,9 @@ class Row:
 
 
 class SlotBatch:
-    """Caches and per-row state of `size` slots.
-
-    Everything a cycle needs lives on the device (lengths, emitted counts,
-    the head's pending inputs), so a cycle can be launched before the host
-    has read the previous one. The host keeps exact lengths as of the last
-    cycle it read and uses them, plus the cycles in flight, as an upper bound
-    on the span attention has to read.
-    """
+    """Caches and per-row state of `size` slots. A cycle's state lives on the
+    device, so it launches before the host reads the last; the host's lengths
+    (as of the last read) plus cycles in flight bound the span read."""
 
     def __init__(self, model, size: int, depth: int):
         self.size = size
@@ -55,16 +50,13 @@ class SlotBatch:
         n_head = model.num_head_layers if depth > 0 else 0
         self.head = [SlotKVCache(size) for _ in range(n_head)]
         self.rows: List[Optional[Row]] = [None] * size
-        # Exact lengths as of the last cycle the host read.
         self.trunk_len = np.zeros(size, dtype=np.int64)
         self.head_len = np.zeros(size, dtype=np.int64)
-        # Device state per slot.
         self.primary = mx.zeros((size,), dtype=mx.int32)  # [B] last emitted token
         self.emitted = mx.zeros((size,), dtype=mx.int32)  # [B] tokens emitted so far
         self.max_tokens = mx.ones((size,), dtype=mx.int32)  # [B]
         self.active = mx.zeros((size,), dtype=mx.bool_)  # [B]
-        # The head's pending depth-1 inputs: the last verify's pairs with the
-        # new primary at index cu_take; cu_keep of them are committed.
+        # The head's pending inputs (draft.HeadPending): the last verify's pairs.
         self.cu_hidden = None  # [B, k+1, H], allocated on first load
         self.cu_tokens = mx.zeros((size, depth + 1), dtype=mx.int32)  # [B, k+1]
         self.cu_take = mx.zeros((size,), dtype=mx.int32)  # [B]
@@ -74,7 +66,6 @@ class SlotBatch:
         self._loads = []  # (slot, Prefilled, first token) waiting for flush
         self._released = set()  # slots to zero at flush
 
-    # -- occupancy -------------------------------------------------------
     def free_slots(self) -> List[int]:
         return [b for b, r in enumerate(self.rows) if r is None]
 
@@ -85,9 +76,7 @@ class SlotBatch:
         """Max length any row can have with `in_flight` unread cycles."""
         return int(lengths.max()) + in_flight * (self.depth + 1)
 
-    # -- moving prefilled state in and out -------------------------------
-    # Loads and releases are staged and applied by `flush` in one scatter per
-    # cache, so refilling many slots costs a few ops, not a copy per row.
+    # `flush` applies staged loads and releases in one write per cache.
     def load(self, b: int, pre: Prefilled, row: Row, first_token: int):
         self.rows[b] = row
         self.trunk_len[b] = pre.length
@@ -96,8 +85,7 @@ class SlotBatch:
         self._loads.append((b, pre, first_token))
 
     def release(self, b: int):
-        """Free a finished row's slot; `flush` zeroes it so nothing of it
-        (NaN included) survives into the next row."""
+        """Free a row's slot; `flush` zeroes it, so no NaN survives into the next row."""
         self.rows[b] = None
         self.trunk_len[b] = 0
         self.head_len[b] = 0
@@ -151,8 +139,7 @@ class SlotBatch:
         self.max_tokens[rows] = mx.array([self.rows[b].req.max_tokens for b, _, _ in self._loads], dtype=mx.int32)
         self.active[rows] = True
         if self.head:
-            # Under depth="auto" the pending width is the last cycle's k+1.
-            W = self.cu_tokens.shape[1]
+            W = self.cu_tokens.shape[1]  # the last cycle's k+1 (depth "auto" varies it)
             last = _stack(pres, lambda p: p.last_hidden)  # [R, H]
             if self.cu_hidden is None:
                 self.cu_hidden = mx.zeros((self.size, W, last.shape[-1]), dtype=last.dtype)
@@ -165,20 +152,13 @@ class SlotBatch:
             self.cu_keep[rows] = 1
         self._loads.clear()
 
-    # -- shrinking at the end of a job ------------------------------------
     def shrink_size(self) -> int:
-        """The smallest power of two that holds the occupied slots. Powers
-        of two bound how many batch shapes the compiled passes are traced for."""
+        """The smallest power of two holding the occupied slots (few traced shapes)."""
         live = sum(r is not None for r in self.rows)
         return 1 << max(live - 1, 0).bit_length()
 
     def shrunk(self) -> "SlotBatch":
-        """The occupied slots moved into a batch of `shrink_size()` slots
-        (rows keep their order; the rest are empty). Every slot is computed
-        each cycle whether or not a row holds it, so once no prompt waits the
-        rows left over are decoded in a batch their own size. Call between
-        cycles, after `flush` (free slots are then zeroed and become the
-        new batch's empty ones)."""
+        """The occupied slots, in order, in `shrink_size()` slots; after `flush`."""
         assert not self._loads and not self._released, "flush before shrinking"
         size = self.shrink_size()
         live = [b for b, r in enumerate(self.rows) if r is not None]
@@ -198,23 +178,18 @@ class SlotBatch:
         out._loads, out._released = [], set()
         return out
 
-    # -- commit (device only) ----------------------------------------------
     def trunk_lengths(self) -> Optional[mx.array]:
-        """[B]: the entries each row holds in the trunk's attention caches
-        (every trunk layer holds the same positions); None without any."""
+        """[B]: entries each row holds in the trunk's attention caches (None without any)."""
         return next((c.lengths for c in self.trunk if isinstance(c, SlotKVCache)), None)
 
     def commit_trunk(
         self, before: Optional[mx.array], keep: mx.array, all_kept: bool, span: int, compiled: bool = True
     ):
-        """Row b keeps keep[b] of the verify entries (0 for empty slots);
-        `before` [B]: `trunk_lengths()` before the verify."""
+        """Row b keeps keep[b] verify entries; `before` [B]: `trunk_lengths()` before it."""
         commit_gdn(self.trunk, keep, all_kept, compiled)
         if before is None:
             return
-        # One array for every layer: one add, not one per layer, and a pass
-        # then makes its mask and write index once for all its attention
-        # layers (mtplx.compiled.SlotPass).
+        # One array for every layer, so a pass makes its `PassPositions` once.
         lengths = before + keep
         for c in self.trunk:
             if isinstance(c, SlotKVCache):
@@ -231,16 +206,13 @@ class SlotBatch:
 
 
 def _head_pairs(pre: Prefilled) -> int:
-    """The head entries a prefilled row brings: its prompt's pairs, or none
-    where the head was not run over the prompt (speculation off then, see
-    MTPLXRuntime._prefill_head)."""
+    """Head entries a prefilled row brings (none: `BatchRuntime._prefill_head`)."""
     return 0 if pre.head_cache is None else pre.length - 1
 
 
 def _stack(pres: List[Prefilled], get) -> mx.array:
-    """Concatenate one [1, ...] array per prefill along the batch axis. Rows
-    that share a prefill (a request's n samples, loaded one after another)
-    share one broadcast."""
+    """One [1, ...] array per prefill concatenated on axis 0; consecutive rows
+    sharing a prefill (a request's samples) share one broadcast."""
     out, i = [], 0
     while i < len(pres):
         j = i

@@ -31,8 +31,7 @@ def shard_files(path: Path) -> List[Path]:
 
 
 def read_header(file: Path) -> Dict[str, dict]:
-    """The safetensors header ({name: {dtype, shape, data_offsets}}), checked
-    against the file size so a truncated shard is named, not half-loaded."""
+    """The safetensors header ({name: {dtype, shape, data_offsets}}), checked against the file size."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -49,9 +48,7 @@ def read_header(file: Path) -> Dict[str, dict]:
 
 
 def _tensor_entries(header) -> Dict[str, dict]:
-    """The header's tensor entries, checked for the fields later reads index,
-    so that valid JSON of the wrong shape is reported as a corrupt file (a
-    ValueError) rather than escaping as a KeyError or TypeError."""
+    """The header's tensor entries, checked so JSON of the wrong shape raises ValueError (a corrupt file)."""
     if not isinstance(header, dict):
         raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
     header = {k: v for k, v in header.items() if k != "__metadata__"}

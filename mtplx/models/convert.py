@@ -1,16 +1,8 @@
 """`mtplx convert`: a checkpoint to MLX layout, keeping its MTP head.
 
-The trunk goes through mlx-lm's own conversion pieces (load_model, the
-dtype cast of mlx_lm.convert, quantize_model, save_model, save_config), so a
-converted trunk is exactly what `mlx_lm.convert` would write. mlx-lm drops
-the MTP tensors, so the head is loaded through `mtplx.load` (the same path
-users load checkpoints with), cast and quantised like the trunk, and written
-as an `mtp.safetensors` sidecar in the head module's own (MLX) layout, which
-`mtplx.load` reads back with `mlx_layout=True`.
-
-Everything is written into a staging directory next to DST, checked by
-loading it with `mtplx.load`, and only then moved to DST: an interrupted or
-failed conversion never leaves a half-written model under DST's name.
+The trunk goes through mlx-lm's conversion pieces (exactly what `mlx_lm.convert` writes); the head, which
+mlx-lm drops, through `mtplx.load`, into an `mtp.safetensors` sidecar in MLX layout. All is written into a
+staging directory, verified with `mtplx.load`, then moved to DST: a failure leaves no half-written model.
 """
 
 from __future__ import annotations
@@ -37,8 +29,7 @@ from mtplx.models.info import module_stats, quantization_groups, quantized_modul
 DTYPES = ("float16", "bfloat16", "float32")
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUP_SIZES = (32, 64, 128)
-# Non-weight files a model directory needs (mlx-lm's download allow-list,
-# less the weights and the config, which are written anew).
+# Non-weight files a model directory needs (mlx-lm's download allow-list, less weights and config).
 _SIDE_FILES = ("*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")
 _NOT_COPIED = ("config.json", "*.safetensors.index.json")
 STEPS = ("load trunk", "cast", "quantize trunk", "save trunk", "load head", "save head", "tokenizer", "verify")
@@ -55,14 +46,8 @@ def convert(
     progress: bool = True,
     overwrite: bool = False,
 ) -> dict:
-    """Convert SRC (HF layout, or an earlier MLX/MTPLX conversion) into DST.
-
-    q_bits: quantise (affine) with this many bits; None keeps float weights.
-    quantize_head: with q_bits, quantise the MTP head too; False keeps it float.
-    dtype: float dtype of the unquantised weights; None follows the config's
-        `torch_dtype` like mlx_lm.convert (and keeps the stored dtype without one).
-    Returns a report dict (family, tensors, sizes, quantisation, head).
-    """
+    """Convert SRC (HF or MLX layout) into DST; returns a report. q_bits: affine bits (None: float);
+    dtype: of the float weights (None: the config's, as mlx_lm.convert)."""
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     config = read_config(src)  # names a missing SRC or config.json
@@ -148,9 +133,6 @@ def _convert_into(src, out, family, q_bits, q_group_size, quantize_head, dtype, 
     }
 
 
-# -- checks ------------------------------------------------------------------------
-
-
 def _check_options(q_bits, q_group_size, dtype):
     if q_bits is not None and q_bits not in AFFINE_BITS:
         raise ValueError(f"q_bits must be one of {AFFINE_BITS}, got {q_bits}")
@@ -201,17 +183,12 @@ def _progress(enabled: bool):
         bar.close()
 
 
-# -- trunk: mlx-lm's conversion pieces ---------------------------------------------
-
-
 def _load_trunk(src: Path, family: FamilyAdapter):
     from mlx_lm.utils import load_model
 
     from mtplx.models.loader import trunk_classes
 
-    # deepseek_v3 with a layer count other than 61 and multi-MTP-layer glm4_moe
-    # fail mlx-lm's strict load unless the family drops its MTP layers first;
-    # block fp8 is dequantised for every family.
+    # The family's classes drop MTP layers mlx-lm's strict load would refuse, and dequantise block fp8.
     classes = trunk_classes(family, read_config(src))
     try:
         return load_model(src, lazy=True, strict=True, get_model_classes=classes)
@@ -220,9 +197,7 @@ def _load_trunk(src: Path, family: FamilyAdapter):
 
 
 def _drop_dequantised_fp8_config(config: dict):
-    # mlx-lm's sanitize dequantises block-fp8 weights (unless it keeps them
-    # packed as mxfp8, which sets "quantization"); the fp8 description would
-    # then misdescribe the float weights written.
+    # Block-fp8 weights come dequantised (unless kept as mxfp8, "quantization"): drop their description.
     if "quantization" in config:
         return
     for c in (config, config.get("text_config") or {}):
@@ -231,8 +206,7 @@ def _drop_dequantised_fp8_config(config: dict):
 
 
 def _target_dtype(config: dict, dtype: Optional[str]):
-    # As mlx_lm.convert: an explicit dtype, else the config's torch_dtype
-    # (or text_config's dtype); anything else keeps the stored dtypes.
+    # As mlx_lm.convert: an explicit dtype, else the config's; anything else keeps the stored dtypes.
     if dtype is None:
         text = config.get("text_config") or {}
         dtype = config.get("torch_dtype") or config.get("dtype") or text.get("dtype") or text.get("torch_dtype")
@@ -251,7 +225,6 @@ def _cast(module: nn.Module, dtype, keep: Callable[[str], bool]):
 def _quantize_trunk(trunk, config, q_bits, q_group_size):
     from mlx_lm.utils import quantize_model
 
-    # quantize_model prints its bits-per-weight line; the report carries it.
     with contextlib.redirect_stdout(io.StringIO()):
         return quantize_model(trunk, config, q_group_size, q_bits, mode="affine")
 
@@ -263,9 +236,6 @@ def _trunk_report(trunk, family) -> dict:
     stats["layers"] = len(family.text_model(trunk).layers)
     stats["bits_per_weight"] = round(compute_bits_per_weight(trunk), 3)
     return stats
-
-
-# -- head: loaded through mtplx.load, written as the sidecar -------------------------
 
 
 def _load_head(src: Path) -> Optional[nn.Module]:
@@ -291,8 +261,7 @@ def _quantize_head(head: nn.Module, bits: int, group_size: int, trunk_predicate)
         if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size != 0:
             return False
         verdict = True if trunk_predicate is None else trunk_predicate(path, module)
-        # The trunk keeps some layers (MoE routers) at other bits; the sidecar
-        # records one bits/group size for the head, so those stay float here.
+        # Layers the trunk keeps at other bits (MoE routers) stay float: the sidecar records one quantisation.
         return verdict is True
 
     nn.quantize(head, group_size=group_size, bits=bits, mode="affine", class_predicate=predicate)
@@ -312,9 +281,6 @@ def _save_head(head: Optional[nn.Module], out: Path):
     return report, quant
 
 
-# -- the rest of the directory --------------------------------------------------------
-
-
 def _copy_side_files(src: Path, out: Path) -> list:
     copied = []
     for f in sorted(src.iterdir()):
@@ -327,8 +293,7 @@ def _copy_side_files(src: Path, out: Path) -> list:
 
 
 def _verify(out: Path, expect_head: bool):
-    """Open the result the way users will; structure and shapes are checked
-    (strict trunk and head loads), the weights are not read."""
+    """Open the result as users will: strict loads check structure and shapes, not the weights."""
     from mtplx.models.loader import load
 
     with warnings.catch_warnings():

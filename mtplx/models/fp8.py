@@ -1,15 +1,6 @@
-"""Block-fp8 checkpoints: DeepSeek-V3's layout, which the FP8 releases of
-Qwen3-Next and other families share. Each fp8 (e4m3) `X.weight` [m, n] has
-an `X.weight_scale_inv` [ceil(m/b), ceil(n/b)], and stands for the weight
-times the scale of its b x b block (b from config.json's
-quantization_config.weight_block_size, 128 in every release).
-
-mlx-lm 0.32 dequantises them in deepseek_v3's sanitize only: the other
-families' trunks refused the scales as unknown parameters. MTPLX
-dequantises them before any family's sanitize (trunk and head alike), to
-bfloat16 as mlx-lm does, with the same result bit for bit: an fp8 value is
-exact in float32, and the product is rounded to bfloat16 once.
-"""
+"""Block-fp8 checkpoints: each fp8 (e4m3) `X.weight` [m, n] has an `X.weight_scale_inv` with one scale per
+b x b block. mlx-lm dequantises them in deepseek_v3's sanitize only; MTPLX does so before any family's
+sanitize, to bfloat16, bit for bit as mlx-lm does."""
 
 from __future__ import annotations
 
@@ -30,9 +21,7 @@ def fp8_block_size(config: dict) -> Optional[int]:
 
 
 def dequantize_fp8_weights(weights: Dict[str, mx.array], block: int) -> Dict[str, mx.array]:
-    """`weights` with every fp8 weight that has a scale replaced by its
-    bfloat16 value, and the scales dropped. A scale whose weight is missing
-    or not fp8 stays, for the strict load to name."""
+    """Scaled fp8 weights dequantised, scales dropped; a scale without an fp8 weight stays for the load to name."""
 
     def is_fp8(weight) -> bool:
         return weight is not None and weight.dtype == mx.uint8
@@ -59,8 +48,7 @@ _DEQUANTIZING: Dict[tuple, type] = {}
 
 
 def dequantizing_trunk_class(model_cls: type, block: int) -> type:
-    """A subclass of an mlx-lm Model whose sanitize first dequantises the
-    block-fp8 weights."""
+    """A subclass of an mlx-lm Model whose sanitize first dequantises the block-fp8 weights."""
     key = (model_cls, block)
     if key not in _DEQUANTIZING:
         own = getattr(model_cls, "sanitize", None)

@@ -1,11 +1,5 @@
-"""`mtplx inspect-model`: what a checkpoint holds, trunk and MTP head.
-
-The description comes from the modules MTPLX would run (built lazily, so no
-weight is read beyond the safetensors headers): parameter counts, dtypes,
-quantisation, head depth, and whether the head is complete. A head that fails
-to load is reported with the loader's error instead of raising, so a user can
-inspect a broken or stripped checkpoint.
-"""
+"""`mtplx inspect-model`: what a checkpoint holds, trunk and MTP head, from the modules MTPLX would run
+(built lazily: only headers are read). A head that fails to load is reported, not raised."""
 
 from __future__ import annotations
 
@@ -17,8 +11,6 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mtplx.models.adapter import CheckpointError
-
-# -- module statistics (shared with convert) ---------------------------------------
 
 
 def quantized_modules(module: nn.Module) -> Dict[str, nn.Module]:
@@ -36,8 +28,7 @@ def quantization_groups(module: nn.Module) -> List[dict]:
 
 
 def parameter_count(module: nn.Module) -> int:
-    """Logical parameters: a quantised weight counts as the float weight it
-    stands for; its scales and biases are storage, not parameters."""
+    """Logical parameters: a quantised weight counts as the float weight it stands for."""
     quantized = quantized_modules(module)
     total = 0
     for name, v in tree_flatten(module.parameters()):
@@ -53,8 +44,7 @@ def parameter_count(module: nn.Module) -> int:
 
 
 def module_stats(module: nn.Module) -> dict:
-    """Counts, bytes, float dtypes and quantisation of a module (lazy-safe:
-    shapes and dtypes only)."""
+    """Counts, bytes, float dtypes and quantisation of a module (shapes and dtypes only: lazy-safe)."""
     params = tree_flatten(module.parameters())
     floats = sorted({str(v.dtype).replace("mlx.core.", "") for _, v in params if mx.issubdtype(v.dtype, mx.floating)})
     float_layers = sum(1 for _, m in module.named_modules() if hasattr(m, "to_quantized") and not hasattr(m, "bits"))
@@ -66,9 +56,6 @@ def module_stats(module: nn.Module) -> dict:
         "quantization": quantization_groups(module),
         "float_layers": float_layers,  # quantisable layers left in float
     }
-
-
-# -- describe a checkpoint ---------------------------------------------------------
 
 
 def describe_model(path) -> dict:

@@ -60,18 +60,15 @@ class MTPModel:
         return cfg.get("max_position_embeddings")
 
     def forward(self, tokens: mx.array, cache=None) -> Tuple[mx.array, mx.array]:
-        """Trunk logits [B, T, V] and, per position, the hidden state [B, T, H]
-        this family's head consumes."""
+        """Trunk logits [B, T, V] and, per position, the hidden state [B, T, H] the family's head reads."""
         return self.logits_and_hidden(self.run_layers(self.embed(tokens), cache))
 
-    # The forward in three parts, so that a decode pass can run it as a chain
-    # of graphs, a few layers each (mtplx.compiled.StagedPass).
+    # The forward in three parts, so a decode pass can run it as a chain of graphs (decode.passes.StagedPass).
     def embed(self, tokens: mx.array) -> mx.array:
         return self.text_model.embed_tokens(tokens)  # [B, T, H]
 
     def run_layers(self, x: mx.array, cache=None, start: int = 0, stop: Optional[int] = None) -> mx.array:
-        """Trunk layers start..stop over x [B, T, H]; `cache` holds theirs
-        (None: no caches)."""
+        """Trunk layers start..stop over x [B, T, H]; `cache` holds theirs (None: no caches)."""
         stop = len(self.text_model.layers) if stop is None else stop
         layers = self.text_model.layers[start:stop]
         kinds = self.layer_kinds[start:stop]
@@ -104,8 +101,7 @@ class MTPModel:
 
 
 def open_checkpoint(path):
-    """(path, config, family, shard files, {tensor: shape}) of a checkpoint
-    directory; every shard's size is checked against its header."""
+    """(path, config, family, shard files, {tensor: shape}) of a checkpoint directory, shards checked."""
     path = Path(path)
     config = read_config(path)
     family = family_for(config)
@@ -131,9 +127,7 @@ def load(path, *, lazy: bool = False) -> MTPModel:
 
 
 def trunk_classes(family: FamilyAdapter, config: dict) -> Callable:
-    """`get_model_classes` for mlx-lm's load_model: the family's classes,
-    dequantising block fp8 first where the checkpoint holds it (mlx-lm does
-    so for deepseek_v3 only)."""
+    """`get_model_classes` for mlx-lm's load_model: the family's, dequantising block fp8 first if present."""
     from mlx_lm.utils import _get_classes
 
     classes = family.model_classes or _get_classes
@@ -183,25 +177,18 @@ VOCABULARY_FILES = (
 
 
 def load_tokenizer(path: Path, config: dict):
-    """The checkpoint's tokenizer as mlx-lm loads it, never running code
-    shipped with the checkpoint: a release whose config names its own
-    classes (`auto_map`: MiMo, DeepSeek-V3) otherwise makes transformers
-    ask on a terminal whether to run them, and wait 15 s for an answer.
-    End-of-sequence ids are generation_config.json's where it names them,
-    else config.json's, as `mlx_lm.load` takes them."""
+    """The checkpoint's tokenizer as mlx-lm loads it, never running code shipped with it (an `auto_map`
+    release would make transformers ask on a terminal and wait), with `eos_token_ids(path, config)`."""
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
     if not any((Path(path) / name).is_file() for name in VOCABULARY_FILES):
-        # transformers would build a tokenizer of its special tokens alone,
-        # which encodes every text as [] (each prompt an "empty prompt").
+        # transformers would build a tokenizer of its special tokens alone, encoding every text as [].
         raise CheckpointError(f"no vocabulary file (one of {', '.join(VOCABULARY_FILES)})")
     return mlx_load_tokenizer(path, {"trust_remote_code": False}, eos_token_ids=eos_token_ids(path, config))
 
 
 def encode_text(tokenizer, text: str) -> List[int]:
-    """A str prompt as token ids, as mlx-lm's `generate` encodes one: the
-    tokenizer's special tokens (its BOS) are added unless the text already
-    starts with the BOS text, as a chat-templated prompt does."""
+    """A str prompt as token ids, as mlx-lm's `generate` encodes it: BOS added unless the text starts with it."""
     bos = getattr(tokenizer, "bos_token", None)
     add = not (isinstance(bos, str) and bos and text.startswith(bos))
     return list(tokenizer.encode(text, add_special_tokens=add))
@@ -219,9 +206,7 @@ def eos_token_ids(path: Path, config: dict):
 
 def _load_head(path, config, family, trunk, files, shapes):
     sidecar = path / SIDECAR
-    # `mtplx convert` marks its head in config.json; a release may name a
-    # shard of HF-layout head tensors mtp.safetensors too, and read as MLX
-    # layout those would make a wrong head without an error.
+    # Only a head `mtplx convert` marked in config.json is MLX layout: a release's mtp.safetensors is HF's.
     converted = (config.get("mtplx") or {}).get("mtp_format") == "mlx"
     if sidecar.exists() and converted:
         from mtplx.models.checkpoint import read_header

@@ -1,8 +1,5 @@
-"""Write small working tokenizers in the Hugging Face file layout.
-
-Tiny test checkpoints need a tokenizer that both `transformers` (through
-mlx-lm) and MTPLX can open, with ids that fit a vocabulary as small as 32.
-"""
+"""Small working tokenizers in the Hugging Face file layout, for tiny test checkpoints: `transformers`
+(through mlx-lm) and MTPLX both open them, with ids that fit a vocabulary as small as 32."""
 
 from __future__ import annotations
 
@@ -19,9 +16,7 @@ CHAT_TEMPLATE = (
 )
 
 
-# Qwen3.5's tokenizer: byte-level BPE after this split. transformers rebuilds
-# qwen3_5 tokenizers from vocab + merges with exactly this pipeline, so any
-# tokenizer.json MTPLX writes uses it too (both load paths then agree).
+# Qwen3.5's split before byte-level BPE: transformers rebuilds qwen3_5 tokenizers with it, so ours use it too.
 PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
     r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -56,8 +51,7 @@ def _byte_level_alphabet() -> dict:
 
 
 def write_char_tokenizer(path: Path, vocab_size: int) -> None:
-    """A character-level byte-BPE (no merges): id 0 is EOS, then the
-    commonest ASCII characters. Characters outside the vocabulary are dropped."""
+    """A character-level byte-BPE (no merges): id 0 is EOS, then the commonest ASCII characters."""
     from tokenizers import Tokenizer, models
 
     if vocab_size < 4:

@@ -1,6 +1,5 @@
-"""The gated-delta layer of a training forward, with the recurrence done
-chunk-wise (`mtplx.gated_delta_chunked`) so back-propagation does not unroll
-one op group per token."""
+"""The gated-delta layer of a training forward, its recurrence chunk-wise (models.families.gated_delta_chunked)
+so back-propagation does not unroll one op group per token."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ from mtplx.models.families.qwen import split_qkv
 
 
 def gated_delta_layer_train(gdn, x: mx.array, chunk: int = 32) -> mx.array:
-    """mlx-lm's GatedDeltaNet.__call__ without cache or mask, with the
-    recurrence done chunk-wise. Same parameters, same projections."""
+    """mlx-lm's GatedDeltaNet.__call__ without cache or mask, the recurrence chunk-wise; same parameters."""
     B, S, _ = x.shape
     qkv = gdn.in_proj_qkv(x)  # [B, S, conv_dim]
     z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)

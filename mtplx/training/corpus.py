@@ -1,8 +1,5 @@
-"""The training corpus: the running interpreter's own standard library.
-
-Every machine that runs MTPLX has these files, so the default model can be
-rebuilt anywhere. A fixed, named set of modules is held out for evaluation and
-for the sample prompt sets in `jobs/data/`.
+"""The training corpus: the running interpreter's own standard library, which every machine that runs MTPLX
+has, so the default model can be rebuilt anywhere. Named modules are held out for evaluation and `jobs/data/`.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ HELD_OUT_MODULES: Tuple[str, ...] = (
     "textwrap",
 )
 
-# Directories that are tests, vendored tools, generated tables or data rather
-# than library code (encodings/ is mostly charmap tables).
+# Tests, vendored tools, generated tables or data rather than library code (encodings/: charmap tables).
 _SKIP_DIRS = {
     "test",
     "tests",
@@ -112,8 +108,7 @@ class FunctionExample:
 
 
 def function_examples(module: str, text: str) -> List[FunctionExample]:
-    """Every function or method of a module that has a docstring and a body
-    after it, in source order."""
+    """Every function or method of a module with a docstring and a body after it, in source order."""
     lines = text.splitlines(keepends=True)
     found: List[FunctionExample] = []
 

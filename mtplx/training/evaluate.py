@@ -1,12 +1,8 @@
 """Held-out measurements of a trained model: loss, acceptance and cost.
 
-Acceptance is measured teacher-forced along the trunk's own greedy
-continuations, which is what greedy speculation is scored against:
-- depth 1 at position t: the head's argmax from (h_t, x_{t+1}) equals the
-  trunk's argmax for x_{t+2};
-- depth 2 (cumulative): depth 1 holds and the head, fed its own output and its
-  depth-1 draft, predicts the trunk's x_{t+3}. The head's cache is handled as
-  the runtime does: depth-1 entries stay, the depth-2 entry is rolled back.
+Teacher-forced acceptance follows the trunk's own greedy continuations, what greedy speculation is scored
+against: depth 1 at t, the head's argmax from (h_t, x_{t+1}) is the trunk's x_{t+2}; depth 2 (cumulative),
+the head fed its own output and depth-1 draft also gives the trunk's x_{t+3}.
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ def windows(stream: np.ndarray, length: int, count: int) -> np.ndarray:
 
 
 def held_out_loss(model, stream: np.ndarray, seq_len: int = 192, count: int = 32, batch: int = 8) -> Dict[str, float]:
-    """Mean cross-entropy (nats/token) of the trunk and of the head at depth 1
-    and 2 (recursive, cache-free) on held-out windows; `model` is an MTPModel."""
+    """Mean cross-entropy (nats/token) of the trunk and of the head at depth 1 and 2 (recursive, cache-free)
+    on held-out windows; `model` is an MTPModel."""
     import mlx.nn as nn
 
     data = windows(stream, seq_len + 1, count)
@@ -71,8 +67,8 @@ def greedy_continue(model, prompts: mx.array, new_tokens: int) -> mx.array:
 def teacher_forced_acceptance(
     model, prompts: Sequence[Sequence[int]], new_tokens: int = 64, prompt_len: int = 48, batch: int = 16
 ) -> Dict:
-    """Greedy acceptance at depth 1 and cumulative depth 2 over the trunk's
-    greedy continuation of each prompt (its last `prompt_len` tokens)."""
+    """Greedy acceptance at depth 1 and cumulative depth 2 over the trunk's greedy continuation of each
+    prompt's last `prompt_len` tokens; the head's cache kept as the runtime keeps it."""
     from mlx_lm.models.cache import KVCache
 
     rows = [list(p)[-prompt_len:] for p in prompts if len(p) >= prompt_len]
@@ -118,12 +114,9 @@ def runtime_acceptance(
     batch: int = 16,
     seed: int = 0,
 ) -> Dict:
-    """Cumulative acceptance by depth 1..`depth` of MTPLXRuntime itself
-    decoding `prompts` (token ids) at `temperature`: per depth i, the rows that
-    accepted d_1..d_i over the rows that drafted d_i. Unlike the teacher-forced
-    figure it includes what the runtime's own drafting loses (depth 2 and up
-    drafts from the head's own output) and, under sampling, the residual
-    rule's acceptance, which is what `depth="auto"` has to predict."""
+    """Cumulative acceptance by depth 1..`depth` of MTPLXRuntime itself decoding `prompts` at `temperature`:
+    unlike the teacher-forced figure it includes what the runtime's own drafting loses and, under sampling,
+    the residual rule's acceptance, which is what `depth="auto"` has to predict."""
     from mtplx.bench.run import acceptance_summary
     from mtplx.decode.contract import MTPContract
     from mtplx.decode.sampling import SamplingParams
@@ -133,7 +126,7 @@ def runtime_acceptance(
     outs = rt.generate(
         list(prompts), sampling=SamplingParams(temperature=temperature), max_tokens=max_tokens, seed=seed
     )
-    acc = acceptance_summary(outs, depth)  # DESIGN "Metrics", as the bench reports it
+    acc = acceptance_summary(outs, depth)  # docs/design.md "Metrics", as the bench reports it
     return {
         "by_depth": [None if a is None else round(a, 4) for a in acc["acceptance_by_depth"]],
         "temperature": temperature,
@@ -152,10 +145,8 @@ def _cost_row(times: Dict[str, List[float]], stat, verify_tokens) -> Dict[str, f
 
 
 def step_costs(model, batch_sizes=(1, 4), verify_tokens=(2, 3, 4), context: int = 64, repeats: int = 60) -> Dict:
-    """Wall time (ms) of a trunk forward of 1 and of k+1 tokens and of one head
-    pass, each with caches after a `context`-token prefill: the median, and
-    the minimum (the better estimate of the cost when other processes share
-    the cores)."""
+    """Wall time (ms) of a trunk forward of 1 and of k+1 tokens and of one head pass after a `context`-token
+    prefill: the median, and the minimum (the better estimate when other processes share the cores)."""
     from mlx_lm.models.cache import KVCache
 
     out = {}

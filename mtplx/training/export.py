@@ -1,13 +1,7 @@
-"""Write a trained TinyMTP in the Qwen3.5 Hugging Face release layout.
-
-mlx-lm's qwen3_5 sanitize is undone exactly, so `mtplx.load` and `mlx_lm.load`
-read the files through the code path of a downloaded release:
-- conv1d weights: MLX [C, K, 1] -> HF [C, 1, K];
-- Qwen3NextRMSNorm weights are zero-centred in HF (applied as 1 + w): the
-  decoder layers' input/post-attention norms, q_norm, k_norm, the final norm,
-  and the head's pre_fc_norm_embedding, pre_fc_norm_hidden and norm. The gated
-  delta output norm (linear_attn.norm) is a plain weight and stays as is;
-- the text model is nested under `model.language_model.`, the head under `mtp.`.
+"""Write a trained TinyMTP in the Qwen3.5 Hugging Face release layout, undoing mlx-lm's qwen3_5 sanitize
+exactly, so `mtplx.load` and `mlx_lm.load` read it as a downloaded release: conv1d [C, K, 1] -> [C, 1, K];
+the Qwen3NextRMSNorm weights zero-centred (applied as 1 + w; the gated-delta linear_attn.norm is plain);
+the text model under `model.language_model.`, the head under `mtp.`.
 """
 
 from __future__ import annotations
@@ -57,8 +51,7 @@ def hf_tensors(model: TinyMTP, dtype=mx.float32) -> Dict[str, mx.array]:
 
 
 def export_checkpoint(model: TinyMTP, config: dict, out_dir: Path, dtype=mx.float32) -> Dict[str, int]:
-    """config.json + model-00001-of-00001.safetensors + index; the tokenizer
-    files are written separately. Returns {tensors, bytes}."""
+    """config.json, one safetensors shard and its index (not the tokenizer); returns {tensors, bytes}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = hf_tensors(model, dtype)

@@ -1,9 +1,5 @@
-"""The default model's shape: an mlx-lm qwen3_5 trunk and MTPLX's Qwen MTP head.
-
-The config is written in the Qwen3.5 release layout (`qwen3_5` with a nested
-`qwen3_5_text` text config), the trunk is built by mlx-lm's own classes and the
-head is `QwenMTPHead`, the module `mtplx.load` builds, so training, export and
-loading all go through the real code.
+"""The default model: an mlx-lm qwen3_5 trunk and `QwenMTPHead`, from a config in the Qwen3.5 release layout,
+so that training, export and loading all go through the real code.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ class ModelShape:
     linear_num_key_heads: int = 2
     linear_key_head_dim: int = 32
     linear_value_head_dim: int = 24
-    # Layer i is full attention when (i + 1) % interval == 0, else gated delta:
-    # 2 is the fewest gated-delta layers mlx-lm's layout allows besides none.
+    # Layer i is full attention when (i + 1) % interval == 0: 2 is the fewest gated-delta layers besides none.
     full_attention_interval: int = 2
     max_position_embeddings: int = 4096
     # Untied: the bigram warm start needs its own output projection.
@@ -107,7 +102,7 @@ class TinyMTP(nn.Module):
         args = self.trunk.language_model.args
         ref = args.full_attention_interval - 1  # a full-attention layer, as mtplx.load picks
         self.head = QwenMTPHead(args, type(self.inner.layers[ref]), ref, 1)
-        # Look the shared modules up at call time so traced/updated parameters are used.
+        # Looked up at call time so that traced/updated parameters are used.
         bind_shared(self.head, embed=lambda t: self.inner.embed_tokens(t), lm_head=self.lm_head)
 
     @property
@@ -121,13 +116,11 @@ class TinyMTP(nn.Module):
         return lm.lm_head(x)
 
     def hidden(self, tokens: mx.array) -> mx.array:
-        """The trunk output after its final norm [B, T, H] (what the head
-        consumes), by mlx-lm's own forward."""
+        """The trunk output after its final norm [B, T, H] (what the head consumes), by mlx-lm's forward."""
         return self.inner(tokens)
 
     def hidden_chunked(self, tokens: mx.array) -> mx.array:
-        """The same as `hidden` from a zero state, with gated-delta layers run
-        chunk-wise: the training forward (no cache, whole windows)."""
+        """`hidden` from a zero state with gated-delta layers chunk-wise: the training forward."""
         x = self.inner.embed_tokens(tokens)  # [B, T, H]
         for layer in self.inner.layers:
             if layer.is_linear:
@@ -142,14 +135,9 @@ _RESIDUAL_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 
 
 def initialize(model: TinyMTP, std: float = 0.02) -> None:
-    """GPT-2 style init: linears and the (tied) embedding ~ N(0, std), the
-    projections that write into the residual stream ~ N(0, std / sqrt(2 L)).
-
-    mlx-lm's defaults (uniform linears, embedding std 1/sqrt(H)) let 20 random
-    residual branches drown the token embedding, and a deep narrow trunk then
-    sits near the unigram loss for a long time. Norms, conv, A_log, dt_bias
-    keep mlx-lm's values. Uses the global MLX seed.
-    """
+    """GPT-2 style init (global MLX seed): 2-D weights ~ N(0, std), residual-stream outputs ~ N(0, std / sqrt(2 L)).
+    Under mlx-lm's defaults a deep narrow trunk's random residual branches drown the token embedding and it
+    sits near the unigram loss for long; norms, conv, A_log and dt_bias keep mlx-lm's values."""
     from mlx.utils import tree_flatten
 
     layers = model.trunk.language_model.args.num_hidden_layers

@@ -1,11 +1,7 @@
 """`mtplx train-tiny`: train the built-in default model from the stdlib's source.
 
-    python -m mtplx.training.tiny OUT --steps N --seed S
-
-Tokenizer, trunk and MTP head are trained by this package's own code and
-written in the Qwen3.5 Hugging Face layout; the checkpoint is then re-opened
-through `mtplx.load` and `mlx_lm.load`, checked against the in-memory model,
-and measured on the held-out modules. Everything is recorded in training.json.
+The exported checkpoint is re-opened through `mtplx.load` and `mlx_lm.load`, checked against the in-memory
+model and measured on the held-out modules; everything is recorded in training.json.
 """
 
 from __future__ import annotations
@@ -48,13 +44,9 @@ def train_tiny(
     measure_costs: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Train, export to `out_dir`, verify and measure; returns the metadata
-    that is also written to `out_dir/training.json`.
-
-    corpus_files: use only the first N training files (quick test runs).
-    eval_prompts / eval_new_tokens: size of the held-out acceptance measurement.
-    measure_costs: time trunk, verify and head passes of the result.
-    """
+    """Train, export to `out_dir`, verify and measure; returns the metadata also written to training.json.
+    corpus_files: only the first N training files (quick tests); eval_prompts / eval_new_tokens: size of
+    the held-out acceptance measurement; measure_costs: time the trunk, verify and head passes."""
     started = time.perf_counter()
     load_before = os.getloadavg()
     out = Path(out_dir)
@@ -109,8 +101,7 @@ def _train_model(shape: ModelShape, settings: TrainSettings, data: dict, log):
 
 
 def _measure(loaded, data, settings, eval_prompts, eval_new_tokens, measure_costs, log) -> dict:
-    """Held-out loss, teacher-forced acceptance, samples and step costs of the
-    checkpoint as `mtplx.load` reads it."""
+    """Held-out loss, acceptance, samples and step costs of the checkpoint as `mtplx.load` reads it."""
     found = {"held_out": held_out_loss(loaded, data["held_stream"], seq_len=settings.seq_len)}
     prompts = [data["tokenize"](e.prompt) for e in data["examples"]][:eval_prompts]
     found["acceptance_teacher_forced"] = teacher_forced_acceptance(loaded, prompts, new_tokens=eval_new_tokens)
@@ -172,8 +163,7 @@ def _load(out: Path):
 
 
 def _check_loaded(out: Path, model: TinyMTP, data: dict) -> dict:
-    """The written checkpoint, read back through mtplx.load and mlx_lm.load,
-    must compute what the trained model computes (trunk and head)."""
+    """The checkpoint, read back by mtplx.load and mlx_lm.load, must compute what the trained model does."""
     import mlx_lm
 
     loaded = _load(out)

@@ -1,8 +1,5 @@
-"""A byte-level BPE for the default model, in Qwen3.5's tokenizer pipeline.
-
-transformers rebuilds any `qwen3_5` tokenizer from vocab + merges with the
-Qwen pipeline (NFC, the Qwen split regex, byte-level), so the tokenizer is
-trained with exactly that pipeline: `tokenizers` and mlx-lm then agree.
+"""A byte-level BPE for the default model, trained in Qwen3.5's own pipeline (NFC, the Qwen split regex,
+byte-level): transformers rebuilds any `qwen3_5` tokenizer with it, so `tokenizers` and mlx-lm agree.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ from mtplx.models.tokenizer_files import EOS, configure_qwen_pipeline, write_tok
 
 
 def train_bpe(texts: Sequence[str], vocab_size: int):
-    """A `tokenizers.Tokenizer` with EOS at id 0, then the 256 byte symbols,
-    then merges learned from `texts` up to `vocab_size` entries."""
+    """A `tokenizers.Tokenizer`: EOS at id 0, the 256 byte symbols, then merges from `texts` up to `vocab_size`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     if vocab_size < 258:
@@ -52,8 +48,7 @@ def encode_documents(tok, texts: Sequence[str]) -> np.ndarray:
 
 
 def check_round_trip(path: Path, samples: Sequence[str]) -> dict:
-    """mlx-lm's tokenizer (through transformers) must give the same ids as the
-    `tokenizers` file, and decoding must give the text back."""
+    """mlx-lm's tokenizer must give the `tokenizers` file's ids, and decoding must give the text back."""
     from mlx_lm.utils import load_tokenizer
     from tokenizers import Tokenizer
 

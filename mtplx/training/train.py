@@ -1,13 +1,8 @@
 """Joint training of the trunk and its MTP head (DeepSeek-V3 style).
 
-Loss = CE(trunk) + w1 * L(head, depth 1) + w2 * L(head, depth 2), where the
-head's loss mixes cross-entropy on the data with cross-entropy against the
-trunk's own (stop-gradient) distribution for the same token. Acceptance is
-agreement with the trunk, not with the data, so the second term is what
-drafting is scored on.
-
-Depth 1 pairs (h_t, x_{t+1}) and predicts x_{t+2}. Depth 2 feeds the head's
-post-norm output back with x_{t+2} and predicts x_{t+3}, as the runtime drafts.
+Loss = CE(trunk) + w1 * L(head, depth 1) + w2 * L(head, depth 2); the head's loss mixes cross-entropy on the
+data with cross-entropy against the trunk's own (stop-gradient) distribution, since acceptance is agreement
+with the trunk. Depth 2 feeds the head's output back with x_{t+2}, as the runtime drafts.
 """
 
 from __future__ import annotations
@@ -30,8 +25,7 @@ from mtplx.training.model import TinyMTP
 class TrainSettings:
     steps: int = 800
     seed: int = 0
-    # Small batches: early in training more updates beat bigger ones per token,
-    # and tokens/s on this CPU barely depends on the batch shape.
+    # Small batches: early in training more updates beat bigger ones per token.
     batch_size: int = 8
     seq_len: int = 128
     learning_rate: float = 3e-3
@@ -43,8 +37,7 @@ class TrainSettings:
     depth2_weight: float = 0.25
     # Share of each head loss taken against the trunk's distribution.
     distill: float = 0.5
-    # The embedding and lm_head start from the bigram fit (warm_start.py);
-    # full-rate noisy updates would undo it before the layers learn.
+    # The embedding and lm_head start from the bigram fit; full-rate updates would undo it early.
     embedding_lr_scale: float = 0.1
     log_every: int = 25
 
@@ -52,13 +45,11 @@ class TrainSettings:
         return asdict(self)
 
 
-def _cross_entropy(logits, targets):
-    # logits [B, T, V], targets [B, T] -> scalar
+def _cross_entropy(logits, targets):  # logits [B, T, V], targets [B, T] -> scalar
     return nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="mean")
 
 
-def _soft_cross_entropy(logits, teacher_logits):
-    # both [B, T, V]; teacher is already stop-gradient
+def _soft_cross_entropy(logits, teacher_logits):  # both [B, T, V]; teacher already stop-gradient
     p = mx.softmax(teacher_logits.astype(mx.float32), axis=-1)
     logq = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
     return -(p * logq).sum(axis=-1).mean()

@@ -1,17 +1,7 @@
-"""A bigram warm start for the embedding, the output projection and the head.
-
-Twenty minutes on two CPU cores buys well under a million training tokens, and
-a randomly initialised model spends most of them climbing down to the unigram
-loss. The corpus's bigram counts are a sufficient statistic that costs one
-pass over the token stream, and fitting the model's own direct path to them is
-nearly free (a [V, H] x [H, V] product per step). So before training:
-
-- the trunk's embedding E and untied lm_head W are fitted so that
-  W . rmsnorm(E[x]) gives log P(next | x): the residual stream of a fresh model
-  (whose residual branches start near zero) then already predicts bigrams;
-- the head's fc starts by passing the normalised embedding of x_{t+1} through,
-  so its first prediction of x_{t+2} is that same bigram, which is also what
-  the fresh trunk predicts at t+1.
+"""A bigram warm start for the embedding, the output projection and the head: a random model spends most of a
+short training budget reaching the unigram loss, while bigram counts cost one pass and fitting them is nearly free.
+E and the untied lm_head W are fitted so that W . rmsnorm(E[x]) gives log P(next | x) (a fresh trunk, its residual
+branches near zero, then predicts bigrams); the head's fc starts by passing x_{t+1}'s embedding through.
 """
 
 from __future__ import annotations
@@ -30,8 +20,7 @@ def bigram_counts(stream: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 def fit_bigram(counts: np.ndarray, hidden_size: int, steps: int = 400, learning_rate: float = 3e-2, eps: float = 1e-6):
-    """E [V, H], W [V, H] minimising the counts-weighted cross-entropy of
-    softmax(rmsnorm(E) @ W^T). Returns (E, W, loss in nats/token)."""
+    """E [V, H], W [V, H] minimising the counts-weighted CE of softmax(rmsnorm(E) @ W^T) -> (E, W, nats/token)."""
     C = mx.array(counts)
     total = C.sum()
     V = counts.shape[0]
@@ -53,7 +42,7 @@ def fit_bigram(counts: np.ndarray, hidden_size: int, steps: int = 400, learning_
 
 
 def warm_start(model: TinyMTP, stream: np.ndarray, steps: int = 400) -> dict:
-    """Load the bigram fit into the model; returns {bigram_loss, unigram_loss}."""
+    """Load the bigram fit into the model; returns the fit's loss, the unigram entropy and the fit steps."""
     lm = model.trunk.language_model
     if lm.args.tie_word_embeddings:
         raise ValueError("the bigram warm start needs an untied lm_head")

@@ -1,5 +1,4 @@
-"""The gated-delta layers' depthwise causal conv as shifted multiply-adds,
-with each layer's conv weight split into its taps once."""
+"""The gated-delta layers' depthwise causal conv as shifted multiply-adds over taps split once per model."""
 
 from __future__ import annotations
 
@@ -7,10 +6,7 @@ import mlx.core as mx
 
 
 def _depthwise_conv(x, taps, S: int):
-    """The layer's depthwise causal conv as K shifted multiply-adds: the same
-    sum as its grouped Conv1d to float rounding, several times faster on the
-    CPU backend (a prompt chunk of 16 rows x 96 tokens of the built-in model:
-    0.40 against 2.62 ms a layer). x [B, K-1+S, C], taps K x [C] -> [B, S, C]."""
+    """K shifted multiply-adds, faster than the grouped Conv1d on the CPU: x [B, K-1+S, C], taps -> [B, S, C]."""
     out = x[:, 0:S] * taps[0]
     for j in range(1, len(taps)):
         out = out + x[:, j : j + S] * taps[j]
@@ -23,11 +19,7 @@ def _taps_of(weight) -> list:
 
 
 def prepare_conv_taps(model) -> None:
-    """Split every gated-delta layer's conv weight into its taps once, ahead
-    of the passes (`mtplx.decode_model`). Split inside a pass (a slice, a
-    transpose, then a gather and a squeeze per tap) they were 10 of the 76
-    nodes of a layer's decode graph on the built-in model, dispatched every
-    pass; the taps are the same values."""
+    """Split every gated-delta layer's conv weight into taps once, not as graph nodes of every pass."""
     for layer in getattr(model.text_model, "layers", []):
         gdn = getattr(layer, "linear_attn", None)
         if gdn is not None and hasattr(gdn, "conv1d"):
@@ -36,18 +28,13 @@ def prepare_conv_taps(model) -> None:
                 continue  # split already (every runtime and cost sampler prepares the model)
             taps = _taps_of(weight)
             mx.eval(taps)
-            # Beside the module's parameters, not among them: the taps are
-            # no weights of the checkpoint (nn.Module registers arrays and
-            # lists set as attributes).
+            # Not among the parameters (nn.Module registers arrays set as attributes): no checkpoint weights.
             object.__setattr__(gdn, "conv_taps", (weight, taps))
 
 
 def causal_conv(gdn, conv_input, S: int):
-    """The layer's conv over [B, K-1+S, C] -> [B, S, C]: the fast form in
-    float32; in half precision the layer's own Conv1d, because the shifted
-    sum rounds after every term (decode logits of a bf16 Qwen3.5 moved by
-    up to 0.012 against mlx-lm's, and greedy output parted from mlx-lm's at
-    top-2 gaps of 0.016-0.031)."""
+    """The layer's conv, [B, K-1+S, C] -> [B, S, C]: the shifted sum in float32; in half precision the
+    layer's own Conv1d, since the shifted sum rounds after every term and greedy output left mlx-lm's."""
     if conv_input.dtype != mx.float32:
         return gdn.conv1d(conv_input)
     split = getattr(gdn, "conv_taps", None)

@@ -1,16 +1,8 @@
-"""Half-precision mixture-of-experts weights, made runnable on the CPU.
+"""Half-precision mixture-of-experts weights made runnable on the CPU.
 
-MLX's CPU backend runs the experts' gathered matmul (`mx.gather_mm`, behind
-mlx-lm's `SwitchLinear`) in float32 only: a bf16 or fp16 MoE checkpoint
-(DeepSeek-V3 and GLM ship bf16) stops at its first forward with
-"[GatherMM::eval] Currently only supports float32". `float32_experts`
-converts the float experts' weights to float32 once, in place, and has them
-take their input in float32 and give back the input's dtype; every other
-layer keeps the checkpoint's dtype. The experts then take twice their bf16
-memory. Quantised experts (`gather_qmm`) run in any dtype and are left as
-they are. `mtplx.load` applies it, so `model.forward` and `model.head` run
-on what it returns; the runtime applies it again, for a model whose dtype
-was changed after loading (experts already converted are left alone).
+MLX's CPU `gather_mm` (behind `SwitchLinear`) takes float32 only: a bf16/fp16 MoE fails its first forward.
+The float experts' weights become float32 once, in place (twice their bf16 memory), on float32 input cast
+back to the input's dtype; quantised experts are left alone. `mtplx.load` applies it, and the runtime again.
 """
 
 from __future__ import annotations
@@ -25,9 +17,8 @@ class Float32SwitchLinear(SwitchLinear):
 
 
 def float32_experts(model) -> int:
-    """Convert an MTPModel's half-precision float experts (trunk and head),
-    only on the CPU; returns how many layers this call converted and keeps
-    the running total in `model.info["float32_experts"]`."""
+    """Convert an MTPModel's half-precision experts (trunk and head), on the CPU only; returns how many
+    layers this call converted (the running total is in `model.info["float32_experts"]`)."""
     if mx.default_device() != mx.cpu:
         return 0
     count = sum(_convert(m) for m in (model.trunk, model.head) if m is not None)

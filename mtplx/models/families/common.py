@@ -18,20 +18,13 @@ def sanitize_as_trunk_layer(
     out_prefix: str,
     extra: Dict[str, mx.array] | None = None,
 ) -> Dict[str, mx.array]:
-    """Run the trunk's own sanitize over one head layer's tensors.
-
-    The head's decoder layer needs the transforms the trunk applies to its own
-    layers (stacked experts, split gate_up_proj, kv_b_proj split, fp8
-    dequantisation, norm shifts). Presenting the tensors under a trunk layer's
-    name makes mlx-lm apply exactly those transforms.
-    `extra` carries tensors that only steer detection and are dropped again.
-    """
+    """The trunk's own sanitize (its transforms) over one head layer's tensors under a trunk layer's name;
+    `extra`: tensors that only steer detection, dropped again."""
     presented = {trunk_prefix + k[len(src_prefix) :]: v for k, v in tensors.items()}
     presented.update(extra or {})
     try:
         sanitized = trunk.sanitize(presented)
     except KeyError as e:
-        # e.g. expert stacking pops experts.0..E-1: name the checkpoint key.
         name = str(e.args[0]) if e.args else ""
         if name.startswith(trunk_prefix):
             name = src_prefix + name[len(trunk_prefix) :]
@@ -49,16 +42,8 @@ def sanitize_as_trunk_layer(
 
 
 def decoder_block(layer, x: mx.array, mask, cache, at=None) -> mx.array:
-    """A head's decoder layer over x [B, T, H] -> [B, T, H]; given `at` [B],
-    only row b's position at[b] comes out: [B, 1, H].
-
-    Every position still goes through attention, which writes its K/V into
-    the cache, but the MLP runs on the kept positions alone: a catch-up over
-    k+1 pairs needs the head's output at one of them, and an MoE MLP over
-    the other k is most of a head pass on the CPU. The ops are those of the
-    pre-norm block every supported family's mlx-lm layer runs (attention,
-    then MLP, each with its residual), on fewer rows.
-    """
+    """A head's pre-norm decoder layer, x [B, T, H] -> [B, T, H]; given `at` [B], only row b's position at[b],
+    [B, 1, H]: every position writes its K/V, but the MLP (most of an MoE head pass) runs on those alone."""
     if at is None:
         return layer(x, mask, cache)
     h = x + layer.self_attn(layer.input_layernorm(x), mask, cache)  # [B, T, H]
@@ -71,8 +56,7 @@ def _same_tail(key: str, extra_key: str) -> bool:
 
 
 def _find_layer_suffix(key: str, trunk_prefix: str):
-    # trunk_prefix is like "model.layers.3." ; sanitize may have renamed the
-    # front (e.g. "language_model.model.layers.3."), so match on the tail.
+    # sanitize may rename the front of "model.layers.3." (e.g. "language_model.model..."): match the tail.
     tail = trunk_prefix.split("model.", 1)[-1]  # "layers.3."
     i = key.find(tail)
     return None if i < 0 else key[i + len(tail) :]
@@ -111,10 +95,6 @@ def maybe_quantize_head(head: nn.Module, weights: Dict[str, mx.array], quantizat
 
 
 def bind_shared(head: nn.Module, **fns: Callable):
-    """Give the head the trunk functions it shares (embedding, lm_head).
-
-    Stored as plain attributes, not child modules, so the trunk's parameters
-    are not counted or saved twice.
-    """
+    """Give the head the trunk's functions (embedding, lm_head) as plain attributes: no parameters twice."""
     for name, fn in fns.items():
         object.__setattr__(head, name, fn)

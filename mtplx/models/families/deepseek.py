@@ -1,44 +1,10 @@
-"""DeepSeek-V3 / GLM-4.5..4.7 / GLM-4.7-Flash: MTP layer(s) after the last trunk layer.
+"""DeepSeek-V3 / GLM-4.5..4.7 / GLM-4.7-Flash: MTP layer(s) after the last trunk layer (as vLLM's *_mtp.py).
 
-Head wiring (checked against vLLM's deepseek_mtp.py, glm4_moe_mtp.py and
-glm4_moe_lite_mtp.py; the three agree):
-- The MTP layers sit at layer index `num_hidden_layers` ..
-  `num_hidden_layers + num_nextn_predict_layers - 1`. Each holds `enorm`,
-  `hnorm`, `eh_proj`, `shared_head.norm`, `shared_head.head`, its own
-  `embed_tokens`, and a normal decoder layer (MoE/MLA as the trunk's layer of
-  that index would be: vLLM builds it with the real index, so do we).
-- e = enorm(embed(x_{t+1})), h = hnorm(h_t), x = eh_proj([e; h]) (embedding
-  first), then the decoder layer. Logits: shared_head.head(shared_head.norm(x)).
-  Depth i uses MTP layer (i-1) mod n, like vLLM's `spec_step_idx % n`.
-- The embedding table: vLLM keeps only the FIRST MTP layer's `embed_tokens`
-  and shares it across all MTP layers (DeepSeek-V3 report: "MTP modules share
-  the embedding layer"); the other layers' copies are read, shape-checked and
-  dropped. It is the head's own table, not the trunk's.
-- The hidden state fed to the head is the trunk output after its final norm
-  (vLLM's DeepseekV2Model / Glm4MoeModel return the normed state).
-- For depth > 1 the layer output before `shared_head.norm` is fed back (the
-  MTP layer's forward returns it; compute_logits applies the norm).
-- vLLM zeroes the embedding where `positions == 0` ("masking inputs at
-  position 0, as not needed by MTP"). In our runtime the pair (h_t, x_{t+1})
-  sits at RoPE position t of the head's cache, which is the position vLLM
-  gives it, so the pair (h_0, x_1) gets a zero embedding: position = the
-  head cache's offset (int or per-row array) + t.
-- Norm weights are plain `w` (no zero-centring).
-
-mlx-lm 0.32 quirks handled here:
-- deepseek_v3's sanitize drops only the literal `model.layers.61.*`, and
-  glm4_moe's drops only `model.layers.{num_hidden_layers}.*`: `model_classes`
-  gives mlx-lm a subclass of its own Model whose sanitize first drops every
-  layer at or past num_hidden_layers (glm4_moe_lite already does).
-- The head's tensors get the trunk's transforms (stacked experts, kv_b_proj
-  split, fp8 block dequantisation with weight_scale_inv) by being presented
-  to the trunk's sanitize as its last layer.
-
-Parameter names of the head (also the `mtp.safetensors` sidecar names after
-the "mtp." prefix): `embed_tokens.weight`, `layers.{j}.enorm.weight`,
-`layers.{j}.hnorm.weight`, `layers.{j}.eh_proj.weight`,
-`layers.{j}.shared_head.norm.weight`, `layers.{j}.shared_head.head.weight`,
-`layers.{j}.mtp_block.<mlx-lm decoder layer parameters>`.
+MTP layer j is checkpoint layer num_hidden_layers + j: x = eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)]), h_t
+after the trunk's final norm, then a decoder layer built at its real index, whose output is fed back for
+depth > 1 and gives logits through `shared_head`. The first MTP layer's embedding (the head's own, not the
+trunk's) serves all, zeroed at position 0 as in vLLM. mlx-lm's sanitize drops only some MTP layers:
+`model_classes` drops them all first.
 """
 
 from __future__ import annotations
@@ -53,17 +19,12 @@ from mlx_lm.models.base import create_attention_mask
 from mtplx.models.adapter import CheckpointError, FamilyAdapter
 from mtplx.models.families.common import decoder_block, load_head_weights, maybe_quantize_head, sanitize_as_trunk_layer
 
-# Suffixes of an MTP layer that are not part of its decoder layer.
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def zero_embedding_at_position0(e: mx.array, cache) -> mx.array:
-    """vLLM's `inputs_embeds[positions == 0] = 0` for the head's pairs.
-
-    e [B, T, H]; a pair's position is the cache offset (int, or [B] per row)
-    plus its index t.
-    """
+    """vLLM's `inputs_embeds[positions == 0] = 0`: e [B, T, H], position = cache offset (int or [B]) + t."""
     offset = 0 if cache is None else cache.offset
     if isinstance(offset, int) and offset > 0:
         return e
@@ -97,8 +58,7 @@ class DeepSeekMTPHead(nn.Module):
         self.layers = [DeepSeekMTPLayer(args, layer_cls, first_layer_idx + j) for j in range(num_layers)]
 
     def __call__(self, hidden, next_tokens, cache=None, depth: int = 1, at=None):
-        # hidden [B, T, H], next_tokens [B, T] -> logits [B, T, V], out [B, T, H]
-        # (T = 1 given `at` [B], each row's output position: common.decoder_block)
+        # hidden [B, T, H], next_tokens [B, T] -> logits [B, T, V], out [B, T, H] (T = 1 given `at` [B])
         j = (depth - 1) % len(self.layers)
         layer = self.layers[j]
         c = None if cache is None else cache[j]
@@ -107,9 +67,6 @@ class DeepSeekMTPHead(nn.Module):
         mask = create_attention_mask(x, c, return_array=True)
         x = decoder_block(layer.mtp_block, x, mask, c, at)  # [B, T, H]: fed back for depth > 1
         return layer.shared_head.head(layer.shared_head.norm(x)), x
-
-
-# -- trunk access ---------------------------------------------------------------
 
 
 def _text_model(trunk):
@@ -134,8 +91,6 @@ def _is_mtp_key(key: str, config: dict) -> bool:
     return i is not None and i >= int(config["num_hidden_layers"])
 
 
-# -- mlx-lm trunk class that drops every MTP layer before its own sanitize --------
-
 _TRUNK_CLASSES: Dict[type, type] = {}
 
 
@@ -159,9 +114,6 @@ def _model_classes(config: dict):
 
     model_cls, args_cls = _get_classes(config)
     return trunk_class_without_mtp(model_cls), args_cls
-
-
-# -- building the head ------------------------------------------------------------
 
 
 def _build_head(trunk, config, tensors: Dict[str, mx.array], shard_shapes, quantization=None, mlx_layout=False):
@@ -203,11 +155,8 @@ def _check_layer_ids(tensors, n_trunk: int, declared: int) -> int:
 
 
 def _check_block_like_the_last_trunk_layer(tensors, shard_shapes: Dict[str, tuple], n_trunk: int, n: int) -> None:
-    """Each MTP layer's decoder block holds the tensors of the last trunk
-    layer, of the same shapes: checked on the checkpoint's own names, before
-    the trunk's transforms rename them (kv_b_proj -> embed_q / unembed_out)."""
+    """Each MTP decoder block holds the last trunk layer's tensors and shapes (fp8 scales aside: dequantised)."""
     ref = f"model.layers.{n_trunk - 1}."
-    # Block-fp8 scales are gone by now: the head's tensors come dequantised.
     block = {k[len(ref) :]: s for k, s in shard_shapes.items() if k.startswith(ref) and not k.endswith("_scale_inv")}
     for j in range(n):
         src = f"model.layers.{n_trunk + j}."
@@ -224,8 +173,7 @@ def _check_block_like_the_last_trunk_layer(tensors, shard_shapes: Dict[str, tupl
 
 
 def _hf_to_head(trunk, tensors, n_trunk: int, n: int) -> Dict[str, mx.array]:
-    # Present each MTP layer as the last trunk layer so the trunk's sanitize
-    # applies its transforms (expert stacking, kv_b_proj split, fp8 dequant).
+    # Each MTP layer as the last trunk layer, so the trunk's sanitize applies its transforms.
     ref = f"model.layers.{n_trunk - 1}."
     weights, later_embeds = {}, {}
     for j in range(n):
@@ -244,8 +192,6 @@ def _hf_to_head(trunk, tensors, n_trunk: int, n: int) -> Dict[str, mx.array]:
     first = weights.get("embed_tokens.weight")
     if first is None:
         raise CheckpointError(f"missing MTP tensor: model.layers.{n_trunk}.embed_tokens.weight")
-    # vLLM shares the first MTP layer's embedding across all MTP layers; the
-    # later layers' copies are checked and dropped.
     for k, v in later_embeds.items():
         if k.endswith(".weight") and v.shape != first.shape:
             raise CheckpointError(f"MTP tensor {k!r} has shape {tuple(v.shape)}, expected {tuple(first.shape)}")

@@ -1,21 +1,8 @@
-"""A chunked (parallel) form of the gated delta rule: prompt prefill and training.
+"""The gated delta rule chunk-wise (the WY / UT-transform form), for prompt prefill and training.
 
-mlx-lm's CPU recurrence takes one time step per op group: a 150-token prompt
-is about 2,000 graph nodes per gated-delta layer, which on the CPU backend is
-most of a prompt's prefill time, and back-propagating through it in training
-unrolls thousands of tiny ops. This computes the same recurrence chunk by
-chunk (the WY / UT-transform form of Gated DeltaNet): within a chunk
-everything is matrix products; only the state crosses chunks.
-
-Recurrence (per head, state S [Dv, Dk], scalar gate g_t, write strength b_t):
-    S_t = g_t S_{t-1} + u_t k_t^T,   u_t = b_t (v_t - g_t S_{t-1} k_t),   y_t = S_t q_t
-Inside a chunk starting from S_0, with G_t = g_1...g_t:
-    u_t = b_t v_t - b_t G_t S_0 k_t - sum_{s<t} b_t (G_t/G_s)(k_s.k_t) u_s
-so U = (I + A)^-1 (b V - (b G) K S_0^T), A strictly lower triangular.
-It is the same recurrence with its sums in another order, so it agrees with
-mlx-lm's step-by-step form to float rounding, not bit for bit
-(`tests/test_prefill.py` bounds the difference). Decoding never uses it:
-every decode and verify step runs the step-by-step ops.
+Per head, state S [Dv, Dk]: S_t = g_t S_{t-1} + u_t k_t^T, u_t = b_t (v_t - g_t S_{t-1} k_t), y_t = S_t q_t.
+Within a chunk, U = (I + A)^-1 (b V - (b G) K S_0^T), G_t = g_1...g_t, A strictly lower triangular: matrix
+products instead of mlx-lm's op group per step. Equal to float rounding (`tests/test_prefill.py`).
 """
 
 from __future__ import annotations
@@ -25,8 +12,7 @@ import mlx.nn as nn
 
 
 def _unit_lower_inverse(a: mx.array, size: int) -> mx.array:
-    """(I + a)^-1 for strictly lower-triangular a [..., C, C], by
-    sum_n (-a)^n = (I - a)(I + a^2)(I + a^4)...: log2(C) matrix products."""
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C] as (I - a)(I + a^2)(I + a^4)...: log2(C) products."""
     eye = mx.eye(size, dtype=a.dtype)
     x = -a
     inv = eye + x
@@ -39,10 +25,8 @@ def _unit_lower_inverse(a: mx.array, size: int) -> mx.array:
 
 
 def chunked_gated_delta(q, k, v, log_g, beta, chunk: int = 32, state=None):
-    """q, k [B, T, Hk, Dk] (normalised), v [B, T, Hv, Dv], log_g and beta
-    [B, T, Hv], state [B, Hv, Dv, Dk] (None: zeros) -> y [B, T, Hv, Dv] and
-    the state after step T. A step with log_g = 0 and beta = 0 leaves the
-    state exactly as it was (how padded steps are skipped)."""
+    """q, k [B, T, Hk, Dk] (normalised), v [B, T, Hv, Dv], log_g, beta [B, T, Hv], state [B, Hv, Dv, Dk]
+    (None: zeros) -> y [B, T, Hv, Dv] and the state after step T. log_g = beta = 0 leaves the state as is."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     if Hv // Hk > 1:
@@ -50,7 +34,6 @@ def chunked_gated_delta(q, k, v, log_g, beta, chunk: int = 32, state=None):
         k = mx.repeat(k, Hv // Hk, -2)
     pad = (-T) % chunk
     if pad:
-        # Padded steps: g = 1, b = 0, so they leave the state untouched.
         widths = lambda nd: [(0, 0), (0, pad)] + [(0, 0)] * (nd - 2)
         q, k, v = (mx.pad(t, widths(4)) for t in (q, k, v))
         log_g, beta = (mx.pad(t, widths(3)) for t in (log_g, beta))

@@ -1,30 +1,8 @@
-"""MiMo: Qwen2-style trunk, `model.mtp_layers.N.*` head.
+"""MiMo: Qwen2-style trunk, `model.mtp_layers.N.*` head (as vLLM's mimo_mtp.py, mimo.py).
 
-Head wiring (checked against vLLM's mimo_mtp.py and mimo.py):
-- Each MTP layer holds `token_layernorm`, `hidden_layernorm`, `input_proj`,
-  `final_layernorm` and a Qwen2 decoder layer (`input_layernorm`, `self_attn`
-  with q/k/v bias, `post_attention_layernorm`, `mlp`) stored without a
-  sub-prefix: `model.mtp_layers.N.self_attn.q_proj.weight`.
-- e = token_layernorm(embed(x_{t+1})), h = hidden_layernorm(h_t),
-  x = input_proj([h; e]) (hidden FIRST, the reverse of DeepSeek), then the
-  decoder layer, then `final_layernorm`, then the trunk's `lm_head`. The
-  embedding table is the trunk's (vLLM's MiMoMTP loads `model.embed_tokens`
-  and `lm_head` from the trunk's tensors).
-- The hidden state fed to the head is the trunk state BEFORE its final norm:
-  vLLM's MiMoModel.forward returns `hidden_states + residual` and applies
-  `model.norm` only in compute_logits.
-- For depth > 1 the layer output before `final_layernorm` is fed back. vLLM
-  drafts MiMo at depth 1 only (`assert spec_step_idx == 0`), so deeper
-  drafting is ours; depth i uses MTP layer (i-1) mod n.
-- vLLM zeroes the embedding where `positions == 0`; the pair (h_t, x_{t+1})
-  has position t in our head cache (see deepseek.py).
-- Norm weights are plain `w`.
-
-Parameter names of the head (also the `mtp.safetensors` sidecar names after
-the "mtp." prefix): `layers.{j}.token_layernorm.weight`,
-`layers.{j}.hidden_layernorm.weight`, `layers.{j}.input_proj.weight`,
-`layers.{j}.final_layernorm.weight`, `layers.{j}.mtp_block.<mlx-lm
-TransformerBlock parameters>`.
+x = input_proj([hidden_layernorm(h_t); token_layernorm(embed(x_{t+1}))]) (hidden first), h_t before the
+trunk's final norm, then a Qwen2 decoder layer, fed back for depth > 1 (vLLM drafts depth 1 only), and
+`final_layernorm` and the trunk's lm_head. The embedding is zeroed at position 0, as for DeepSeek.
 """
 
 from __future__ import annotations
@@ -67,8 +45,7 @@ class MiMoMTPHead(nn.Module):
         self.layers = [MiMoMTPLayer(args, layer_cls) for _ in range(num_layers)]
 
     def __call__(self, hidden, next_tokens, cache=None, depth: int = 1, at=None):
-        # hidden [B, T, H] (pre-norm trunk state), next_tokens [B, T]
-        # -> logits [B, T, V], out [B, T, H] (T = 1 given `at`: common.decoder_block)
+        # hidden [B, T, H] (pre-norm), next_tokens [B, T] -> logits [B, T, V], out [B, T, H] (T = 1 given `at`)
         j = (depth - 1) % len(self.layers)
         layer = self.layers[j]
         c = None if cache is None else cache[j]
@@ -130,8 +107,7 @@ def _hf_to_head(trunk, tensors, n: int) -> Dict[str, mx.array]:
     for j in range(n):
         src = f"{_PREFIX}{j}."
         layer = {k: v for k, v in tensors.items() if k.startswith(src)}
-        # The trunk's sanitize has no per-layer transform for MiMo today; going
-        # through it keeps the head in step if mlx-lm adds one.
+        # MiMo's sanitize has no per-layer transform yet; going through it keeps the head in step with one.
         for suffix, v in sanitize_as_trunk_layer(trunk, layer, src, "model.layers.0.", "").items():
             inner = "" if suffix.startswith(_OWN) else "mtp_block."
             weights[f"layers.{j}.{inner}{suffix}"] = v

@@ -1,17 +1,8 @@
-"""Qwen3.5 / Qwen3.6 / Qwen3-Next: hybrid gated-delta trunk, `mtp.*` head.
+"""Qwen3.5 / Qwen3.6 / Qwen3-Next: hybrid gated-delta trunk, `mtp.*` head (as vLLM's qwen3_*_mtp.py).
 
-Head wiring (checked against vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py):
-- e = pre_fc_norm_embedding(embed(x_{t+1})), h = pre_fc_norm_hidden(h_t),
-  x = fc([e; h])  (embedding first), then one full-attention decoder layer
-  per MTP layer (depth i uses layer (i-1) mod n), then `mtp.norm`, then the
-  trunk's shared lm_head. The embedding table is the trunk's.
-- The hidden state fed to the head is the trunk output after its final norm.
-- For depth > 1 the head's own output after `mtp.norm` is fed back.
-- No embedding is zeroed at position 0.
-- All RMSNorm weights are zero-centred in the HF checkpoint (GemmaRMSNorm:
-  applied as 1 + w). mlx-lm's sanitize shifts the trunk's by +1; the head's
-  decoder layer goes through that same sanitize, and the head-level norms
-  (`pre_fc_norm_*`, `mtp.norm`) get the same +1 here.
+x = fc([pre_fc_norm_embedding(embed(x_{t+1})); pre_fc_norm_hidden(h_t)]), h_t after the trunk's final norm,
+then decoder layer (depth - 1) mod n and `mtp.norm` (fed back for depth > 1). The HF norms are zero-centred
+(1 + w): mlx-lm's sanitize shifts the decoder layer's, and the head-level ones get the same +1 here.
 """
 
 from __future__ import annotations
@@ -49,8 +40,7 @@ class QwenMTPHead(nn.Module):
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
 
     def __call__(self, hidden, next_tokens, cache=None, depth: int = 1, at=None):
-        # hidden [B, T, H], next_tokens [B, T] -> logits [B, T, V], out [B, T, H]
-        # (T = 1 given `at` [B], each row's output position: common.decoder_block)
+        # hidden [B, T, H], next_tokens [B, T] -> logits [B, T, V], out [B, T, H] (T = 1 given `at` [B])
         e = self.pre_fc_norm_embedding(self.embed(next_tokens))
         h = self.pre_fc_norm_hidden(hidden)
         x = self.fc(mx.concatenate([e, h], axis=-1))  # [B, T, H]
@@ -91,8 +81,7 @@ def _is_mtp_key(key: str, config: dict) -> bool:
 
 
 def _hf_layout(trunk, shard_shapes: Dict[str, tuple]) -> bool:
-    # The same test the trunk's sanitize uses: HF conv1d weights are [C, 1, K];
-    # Qwen3-Next (MoE only) is HF when experts are stored one by one.
+    # The trunk sanitize's test: HF conv1d weights are [C, 1, K]; Qwen3-Next is HF with experts one by one.
     if any("conv1d.weight" in k and s[-1] != 1 for k, s in shard_shapes.items()):
         return True
     return any(".mlp.experts.0.up_proj.weight" in k for k in shard_shapes)
@@ -122,8 +111,7 @@ def _build_head(trunk, config, tensors: Dict[str, mx.array], shard_shapes, quant
 
 def _hf_to_head(trunk, args, tensors, shard_shapes, ref, n):
     hf = _hf_layout(trunk, shard_shapes)
-    # A gated-delta conv weight in HF shape tells the qwen3_5 sanitize that the
-    # tensors are in HF layout (so it shifts the zero-centred norms).
+    # A gated-delta conv weight in HF shape tells the qwen3_5 sanitize to shift the zero-centred norms.
     lin = 0 if ref != 0 else 1
     trigger = {f"model.layers.{lin}.linear_attn.conv1d.weight": mx.zeros((1, 1, 2))} if hf else None
     weights = {}
@@ -144,11 +132,7 @@ def _hf_to_head(trunk, args, tensors, shard_shapes, ref, n):
 
 
 def _fused_experts(layer: Dict[str, mx.array], prefix: str) -> Dict[str, mx.array]:
-    """A Qwen3.5-MoE MTP layer's experts in the fused form its trunk's
-    sanitize takes (experts.gate_up_proj [E, 2I, H], experts.down_proj
-    [E, H, I]). The releases fuse the trunk's experts but store the MTP
-    layer's one by one (Qwen3.5-35B-A3B, -122B-A10B; Qwen3.6 fuses both),
-    and vLLM's qwen3_5_mtp.py loads either."""
+    """A Qwen3.5-MoE MTP layer's experts (stored one by one in the releases) fused as its trunk's sanitize takes."""
     mlp = f"{prefix}mlp.experts."
     each = re.compile(re.escape(mlp) + r"(\d+)\.(gate|up|down)_proj\.weight$")
     found = {(int(m.group(1)), m.group(2)): k for k in layer for m in [each.match(k)] if m}
@@ -166,9 +150,6 @@ def _fused_experts(layer: Dict[str, mx.array], prefix: str) -> Dict[str, mx.arra
     return out
 
 
-# -- verify-time forward of a gated-delta layer --------------------------------
-
-
 def _project(gdn, x):
     """The layer's own input projections -> (mixed_qkv, z, b, a)."""
     B, S, _ = x.shape
@@ -183,18 +164,12 @@ def _project(gdn, x):
 
 
 def _conv_activation(gdn):
-    """silu, or the layer's `conv_activation` (mtplx.cpu_activations swaps
-    in the same silu over a faster exp on the CPU)."""
+    """silu, or the layer's `conv_activation` (mtplx.backends.cpu.activations: a faster exp)."""
     return getattr(gdn, "conv_activation", nn.silu)
 
 
 def split_qkv(gdn, conv_out):
-    """The layer's conv output [B, S, C] -> normalised q, k [B, S, Hk, Dk] and
-    v [B, S, Hv, Dv], as the layer's own forward computes them (mlx-lm's
-    `normalize_qk`: an RMSNorm without weight, then the readout scale
-    squared on q and the scale on k), but with q and k normalised side by
-    side in one norm: every row gets the same ops, bit for bit, and a pass
-    has three nodes fewer per gated-delta layer."""
+    """Conv output [B, S, C] -> q, k as `normalize_qk` in one norm side by side (bit for bit, fewer nodes), v."""
     B, S, _ = conv_out.shape
     Hk, Dk = gdn.num_k_heads, gdn.head_k_dim
     qk = conv_out[..., : 2 * gdn.key_dim].reshape(B, S, 2 * Hk, Dk)  # q's heads, then k's
@@ -206,13 +181,8 @@ def split_qkv(gdn, conv_out):
 
 
 def gated_delta_verify(gdn, x, cache):
-    """The gated-delta layer's forward with its per-step inputs kept for commit.
-
-    Same parameters and mlx-lm ops as the layer's own __call__; the only
-    difference is that the conv input and the state after every step are
-    stored in `cache.pending`, so commit selects each row's state at its
-    accepted step (`cache.commit_gdn`) instead of replaying the recurrence.
-    """
+    """The gated-delta layer's own forward, keeping the conv input and every step's state in `cache.pending`
+    so commit picks each row's state at its accepted step (`mtplx.decode.cache.commit_gdn`), no replay."""
     B, S, _ = x.shape
     mixed, z, b, a = _project(gdn, x)  # [B, S, C], [B, S, Hv, Dv], [B, S, Hv] x2
     K = gdn.conv_kernel_size
@@ -223,27 +193,15 @@ def gated_delta_verify(gdn, x, cache):
     out, states = _recurrence(gdn, q, k, v, a, b, cache.state)  # [B, S, Hv, Dv], S x [B, Hv, Dv, Dk]
     state = states[-1]
     cache.pending = (conv_input, states)  # [B, K-1+S, C], S x [B, Hv, Dv, Dk]
-    # Until commit, the cache holds the state after all S steps.
     cache.conv = conv_input[:, -(K - 1) :]
-    cache.state = state
+    cache.state = state  # until commit: the state after all S steps
     out = gdn.norm(out, z)  # [B, S, Hv, Dv]
     return gdn.out_proj(out.reshape(B * S, -1)).reshape(B, S, -1)
 
 
 def _recurrence(gdn, q, k, v, a, b, state):
-    """The gated-delta recurrence, one step at a time, keeping the state after
-    each step so commit can pick each row's state instead of replaying.
-
-    Per step these are the ops of mlx-lm's reference recurrence
-    (`gated_delta_ops`, which the layer runs on the CPU), on the same values
-    (bit for bit). What does not depend on the step is done once for all S
-    steps: the gates, the grouped-query repeat, and the shapes each step
-    broadcasts in. A step then slices each input with one node instead of a
-    Slice, Squeeze and ExpandDims, and keeps a unit step axis instead of
-    expanding delta: a verify over 4 tokens has ~560 fewer graph nodes to
-    trace and replay (view nodes cost little to run, so speed barely moved).
-    q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], a, b [B, S, Hv], state [B, Hv, Dv, Dk].
-    """
+    """mlx-lm's `gated_delta_ops` step by step, bit for bit, keeping each step's state; step-independent work
+    is done once. q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], a, b [B, S, Hv], state [B, Hv, Dv, Dk]."""
     B, S, Hv, Dv = v.shape
     beta = mx.sigmoid(b)  # [B, S, Hv]
     g = compute_g(gdn.A_log, a, gdn.dt_bias)  # [B, S, Hv]
@@ -272,25 +230,14 @@ def _by_step(x):
     return [x] if x.shape[1] == 1 else mx.split(x, x.shape[1], axis=1)
 
 
-# -- prompt-time forward of a gated-delta layer ---------------------------------
-
-# A float32 prompt chunk at least this long runs the recurrence chunk-wise;
-# shorter ones, every decode step and half-precision models run mlx-lm's
-# step-by-step ops. (In bf16 the chunk-wise form's float32 rounding
-# differences, about 1e-7, move activations by whole bf16 steps, about 1e-2
-# on a tiny model's logits, where the step-by-step prefill is bit-identical
-# to mlx-lm's.)
+# Float32 prompt chunks this long run chunk-wise; half precision keeps step-by-step ops (docs/performance.md).
 CHUNKED_PREFILL_MIN = 16
-PREFILL_CHUNK = 16  # tokens per chunk of the chunk-wise recurrence (16 and 32 ran alike here)
+PREFILL_CHUNK = 16  # tokens per chunk of the chunk-wise recurrence
 
 
 def gated_delta_prefill(gdn, x, mask, cache):
-    """The gated-delta layer's own forward over a prompt chunk, with an mlx-lm
-    ArraysCache ([conv window, state], `lengths` for right-padded rows), but
-    with the recurrence computed chunk-wise (`mtplx.gated_delta_chunked`):
-    the same projections, conv, masking and cache updates as mlx-lm's
-    __call__, and a recurrence that agrees with its step-by-step one to float
-    rounding. Steps past a row's length (mask False) leave its state as is."""
+    """The layer's own forward over a prompt chunk and an mlx-lm ArraysCache, with the recurrence chunk-wise
+    (`gated_delta_chunked`: equal to float rounding). Steps past a row's length leave its state as is."""
     B, S, _ = x.shape
     mixed, z, b, a = _project(gdn, x)  # [B, S, C], [B, S, Hv, Dv], [B, S, Hv] x2
     K = gdn.conv_kernel_size
@@ -317,7 +264,6 @@ def gated_delta_prefill(gdn, x, mask, cache):
 
 def _run_layer(layer, x, mask, cache):
     if getattr(layer, "is_linear", False) and cache is not None:
-        # The decoder layer's residual structure around our own forwards.
         if getattr(cache, "keeps_steps", False):  # a decode slot cache (mtplx.decode.cache.SlotGDNCache)
             h = x + gated_delta_verify(layer.linear_attn, layer.input_layernorm(x), cache)
         elif backends.chunked_prefill(x):
