@@ -1,8 +1,10 @@
 """The `mtplx` command line.
 
 Exit codes: 0 ok; 1 the job finished but some rows have errors (their count is
-printed); 2 bad job (one line on stderr names the problem); 128 + N when
-stopped by signal N (SIGINT 130, SIGTERM 143) after saving finished rows.
+printed); 2 bad job (one line on stderr names the problem); 70 an unexpected
+failure (one line names it, the traceback goes to OUT/.mtplx/crash-*.log);
+128 + N when stopped by signal N (SIGINT 130, SIGTERM 143) after saving
+finished rows.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from .errors import EXIT_BAD_JOB, JobError
+from .errors import EXIT_BAD_JOB, EXIT_CRASH, JobError
 from .preload import reexec_with_preloads
 
 
@@ -84,9 +86,13 @@ def _run_options(f):
     return f
 
 
+# ctx.meta key: the running job's output directory, where a crash's traceback goes.
+OUTPUT_DIR = "mtplx.output_dir"
+
+
 class _Group(click.Group):
     """Turns a JobError anywhere below, or a bad command line, into one line
-    on stderr and exit 2."""
+    on stderr and exit 2; an unexpected failure into one line and exit 70."""
 
     def invoke(self, ctx):
         try:
@@ -99,6 +105,13 @@ class _Group(click.Group):
         except KeyboardInterrupt:  # before the job installed its own handler
             click.echo("mtplx: interrupted", err=True)
             ctx.exit(130)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except Exception as e:  # a bug, not the job: its own exit code, never 0, 1 or 2
+            from .crash import report_crash
+
+            click.echo(report_crash(e, ctx.meta.get(OUTPUT_DIR)), err=True)
+            ctx.exit(EXIT_CRASH)
 
     def parse_args(self, ctx, args):
         try:
@@ -129,8 +142,9 @@ def cli():
 
     \b
     Exit codes: 0 ok, 1 finished with row errors (count shown),
-    2 bad job (one line names the problem), 130/143 stopped by SIGINT/SIGTERM
-    (finished rows are saved; rerun the same command to resume).
+    2 bad job (one line names the problem), 70 unexpected failure (one line;
+    the traceback goes to OUT/.mtplx/crash-*.log), 130/143 stopped by
+    SIGINT/SIGTERM (finished rows are saved; rerun the same command to resume).
     """
 
 
@@ -169,7 +183,7 @@ def run_cmd(job, model, output, engine, address, actors, overwrite, retry_errors
     """Run the job spec JOB (TOML).
 
     Rows are written to part-NNNNN.parquet files in the spec's [output] path,
-    with summary.json at the end. Running the same job on the same output
+    with .mtplx/summary.json at the end. Running the same job on the same output
     directory resumes where it stopped, also after kill -9; a changed spec,
     model or input there is refused unless --overwrite is given.
     See docs/pipeline.md for every spec key.
@@ -212,7 +226,8 @@ def _with_engine(spec, engine, address, actors):
     "output_path",
     required=True,
     type=click.Path(path_type=Path),
-    help="Output directory for the part files and summary.json.",
+    help="Output directory: the part files, a Parquet dataset any reader opens (the job's manifest "
+    "and summary go to OUT/.mtplx/).",
 )
 @click.option("--model", default=None, help="Checkpoint directory (default: the built-in model).")
 @click.option("--prompt-column", default="prompt", show_default=True, help="Column holding the prompt text.")
@@ -305,7 +320,17 @@ def generate_cmd(
     max_memory,
 ):
     """Complete every prompt of a Parquet input: a job from flags, run by the
-    same engine as `mtplx run` (same output, resume and exit codes)."""
+    same engine as `mtplx run` (same output, resume and exit codes).
+
+    \b
+    mtplx generate --input IN --output OUT [--model DIR]
+        [--prompt-column COL | --messages-column COL] [--id-column COL]
+        [--keep-column COL ...] [--depth K|auto] [--batch-size N]
+        [--max-tokens N] [-n N] [--temperature T] [--top-p P] [--top-k K]
+        [--min-p P] [--seed S] [--stop TEXT ...] [--flush-rows N]
+        [--overwrite | --retry-errors] [--dry-run] [--quiet] [--logprobs]
+        [--max-memory SIZE]
+    """
     from .spec import spec_from_dict
 
     _check_resume_flags(overwrite, retry_errors)
@@ -322,7 +347,7 @@ def generate_cmd(
     defaulted = id_column is None
     if defaulted:
         id_column = _default_id_column(input_path, output_path)
-    if id_column:  # "" keys the rows by row index, as a job leaving id_column unset does
+    if id_column is not None:  # "" keys the rows by row index
         doc["input"]["id_column"] = id_column
     spec = spec_from_dict(doc)
     try:
@@ -374,6 +399,7 @@ def _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory
         max_memory=max_memory,
     )
     log = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
+    click.get_current_context().meta[OUTPUT_DIR] = Path(spec.output.path)
     result = run_job(spec, opts, log=log)
     if dry_run or not quiet:
         for line in result.report:
@@ -398,7 +424,13 @@ _add_model_commands()
 
 def main():
     reexec_with_preloads()
-    cli(prog_name="mtplx")
+    try:
+        cli(prog_name="mtplx")
+    except Exception as e:  # outside any command (the command line's own parsing, an import)
+        from .crash import report_crash
+
+        click.echo(report_crash(e, None), err=True)
+        sys.exit(EXIT_CRASH)
 
 
 if __name__ == "__main__":

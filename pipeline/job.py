@@ -9,7 +9,7 @@ from typing import List, Optional
 from .engine import ModelRef
 from .errors import EXIT_OK, EXIT_ROW_ERRORS
 from .inputs import InputSource
-from .outdir import SUMMARY, write_json_atomic
+from .outdir import SUMMARY, meta_path, write_json_atomic
 from .plan import Plan
 from .signals import JobInterrupted, Stopper
 from .spec import JobSpec
@@ -76,7 +76,7 @@ def finish_job(job: Prepared, out: Path, run: dict, runtime: dict) -> RunResult:
         run=run,
         runtime=runtime,
     )
-    write_json_atomic(out / SUMMARY, summary)
+    write_json_atomic(meta_path(out, SUMMARY), summary)
     warnings = []
     if summary["errors"]:
         warnings.append(f"finished with {summary['errors']} row errors (see the error column of the part files)")

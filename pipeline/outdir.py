@@ -1,9 +1,17 @@
 """The output directory: its lock, manifest, the resume scan and --overwrite.
 
+The directory is a Parquet dataset at every moment: its visible files are the
+complete part files alone. `.mtplx/` holds the manifest, the summary and crash
+logs, and a part is written as a hidden `.part-*.tmp` and renamed, so every
+reader that skips hidden names (pyarrow, pandas, datasets) or globs
+`*.parquet` (duckdb, polars) reads exactly the finished rows.
+
 The part files are the only record of what is done. `manifest.json` is written
 once, before the first part, and holds the hash of everything that decides the
 rows' content (spec, model fingerprint, input fingerprint); a later run on the
-same directory must match it or is refused.
+same directory must match it or is refused. A directory written before
+`.mtplx/` existed (manifest and summary beside the parts) resumes as before and
+has them moved into `.mtplx/` when the run starts writing.
 
 A run holds `.mtplx.lock` (an flock, which the kernel releases however the
 process ends, `kill -9` included) from its resume scan to its summary: two
@@ -32,6 +40,7 @@ from .errors import JobError
 from .ids import KeySet, id_hashes, row_keys
 from .plan import Plan
 
+META_DIR = ".mtplx"
 MANIFEST = "manifest.json"
 # The manifest's record of depth "auto"'s depth for sampled rows (residual
 # rule), chosen by the first run's calibration and reused on resume.
@@ -42,6 +51,21 @@ LOCK = ".mtplx.lock"
 # K of shard S, the Ray engine: a retried shard reuses its own names).
 PART_RE = re.compile(r"^part-(?:(\d{5,})|s(\d{5,})-(\d{5,}))\.parquet$")
 TEMP_SUFFIX = ".tmp"
+
+
+def meta_path(out: Path, name: str) -> Path:
+    """Where the output directory keeps `name` (manifest.json, summary.json)."""
+    return Path(out) / META_DIR / name
+
+
+def legacy_meta_path(out: Path, name: str) -> Path:
+    """Where directories written before `.mtplx/` kept it."""
+    return Path(out) / name
+
+
+def existing_meta_path(out: Path, name: str) -> Optional[Path]:
+    """`name`'s file in either layout, or None."""
+    return next((p for p in (meta_path(out, name), legacy_meta_path(out, name)) if p.is_file()), None)
 
 
 def part_name(number: int) -> str:
@@ -76,7 +100,7 @@ def next_shard_part(parts: List[Path]) -> int:
 def remove_shard_temp_files(out: Path, shard: int) -> None:
     """What an attempt at the shard that died mid-write left behind."""
     prefix = shard_part_name(shard, 0).rsplit("-", 1)[0] + "-"
-    for p in out.glob(prefix + "*" + TEMP_SUFFIX):
+    for p in [*out.glob(prefix + "*" + TEMP_SUFFIX), *out.glob("." + prefix + "*" + TEMP_SUFFIX)]:
         p.unlink(missing_ok=True)
 
 
@@ -90,6 +114,7 @@ class OutputState:
     next_shard: int = 0  # the first shard number no part file uses
     overwrite: bool = False  # what a previous run wrote goes when this run starts writing
     recorded: dict = field(default_factory=dict)  # the manifest a previous run wrote
+    legacy: bool = False  # written before `.mtplx/`: start_output moves its manifest and summary there
     # --retry-errors: part -> its rows with an error, left out of `done` and
     # `rows_done`; `start_output` removes them from their parts.
     error_rows: Dict[Path, int] = field(default_factory=dict)
@@ -103,6 +128,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
     def write(f):
         f.write((json.dumps(data, indent=2, sort_keys=False, default=str) + "\n").encode())
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     _replace_atomically(path, write)
 
 
@@ -115,7 +141,7 @@ def _replace_atomically(path: Path, write: Callable) -> None:
     """`write(f)` into a temporary file beside `path`, fsynced, renamed over
     `path`, and the rename fsynced: killed at any moment, `path` is the old
     file or the new one, never part of one."""
-    tmp = path.with_name(path.name + TEMP_SUFFIX)
+    tmp = path.with_name("." + path.name + TEMP_SUFFIX)  # hidden: no reader sees a half-written file
     with open(tmp, "wb") as f:
         write(f)
         f.flush()
@@ -204,15 +230,17 @@ def open_output(out: Path, plan: Plan, manifest: dict, *, overwrite: bool, retry
     check_writable(out)
     if overwrite:
         return OutputState(out, KeySet(), 0, 0, existed=False, overwrite=True)
-    existed = (out / MANIFEST).exists()
+    found = existing_meta_path(out, MANIFEST)
+    existed = found is not None
     recorded = {}
     if existed:
-        recorded = _check_manifest(out, manifest)
+        recorded = _check_manifest(found, manifest)
     elif part_files(out):
         raise JobError(
             f"{out} holds part files but no {MANIFEST}; pass --overwrite to start over, or pick another directory"
         )
-    return replace(_scan_parts(out, plan, existed, retry_errors), recorded=recorded)
+    legacy = existed and found == legacy_meta_path(out, MANIFEST)
+    return replace(_scan_parts(out, plan, existed, retry_errors), recorded=recorded, legacy=legacy)
 
 
 def resume_note(state: OutputState) -> str:
@@ -235,10 +263,12 @@ def start_output(state: OutputState, manifest: dict) -> None:
         if state.overwrite:
             clear_output(out)
         _remove_temp_files(out)
+        if state.legacy:
+            _move_into_meta_dir(out)
         for part in state.error_rows:
             drop_error_rows(part)
         if not state.existed:
-            write_json_atomic(out / MANIFEST, manifest)
+            write_json_atomic(meta_path(out, MANIFEST), manifest)
     except OSError as e:
         raise JobError(f"cannot write to output directory {out}: {e.strerror or e}") from None
 
@@ -261,7 +291,9 @@ def clear_output(out: Path) -> None:
     """--overwrite: remove what a previous run wrote, and nothing else."""
     if not out.is_dir():
         return
-    for p in out.iterdir():
+    meta = out / META_DIR
+    written = [*out.iterdir(), *(meta.iterdir() if meta.is_dir() else [])]
+    for p in written:
         if PART_RE.match(p.name) or p.name.endswith(TEMP_SUFFIX) or p.name in (MANIFEST, SUMMARY):
             try:
                 p.unlink()
@@ -270,16 +302,29 @@ def clear_output(out: Path) -> None:
 
 
 def _remove_temp_files(out: Path) -> None:
-    for p in out.iterdir():
+    meta = out / META_DIR
+    for p in [*out.iterdir(), *(meta.iterdir() if meta.is_dir() else [])]:
         if p.name.endswith(TEMP_SUFFIX) and p.is_file():
             p.unlink()
 
 
-def _check_manifest(out: Path, manifest: dict) -> dict:
+def _move_into_meta_dir(out: Path) -> None:
+    """A directory of the layout before `.mtplx/`: its manifest and summary move there."""
+    (out / META_DIR).mkdir(exist_ok=True)
+    for name in (SUMMARY, MANIFEST):  # the manifest last: until it moves, the old layout is whole
+        old = legacy_meta_path(out, name)
+        if old.is_file():
+            os.replace(old, meta_path(out, name))
+    fsync_dir(out / META_DIR)
+    fsync_dir(out)
+
+
+def _check_manifest(path: Path, manifest: dict) -> dict:
+    out = path.parent.parent if path.parent.name == META_DIR else path.parent
     try:
-        old = json.loads((out / MANIFEST).read_text())
+        old = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise JobError(f"unreadable {out / MANIFEST} ({e}); pass --overwrite to start over") from None
+        raise JobError(f"unreadable {path} ({e}); pass --overwrite to start over") from None
     if old.get("spec_hash") == manifest["spec_hash"]:
         return old
     what = changed_parts(old.get("identity", {}), manifest["identity"])

@@ -83,6 +83,7 @@ def make_plan(spec: JobSpec, source: InputSource, logprobs: bool) -> Plan:
             )
     if p.column:
         prompt_columns = (need(p.column, "[prompt] column"),)
+        _check_text_column(source, p.column)
     elif p.messages:
         prompt_columns = (need(p.messages, "[prompt] messages"),)
     else:
@@ -112,6 +113,18 @@ def make_plan(spec: JobSpec, source: InputSource, logprobs: bool) -> Plan:
         schema=pa.schema([]),
     )
     return _with_schema(plan, source.schema)
+
+
+def _check_text_column(source: InputSource, column: str) -> None:
+    """A prompt column of another type than text (ints, bytes) is a mistake in the job, not in its rows."""
+    t = source.schema.field(column).type
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
+        raise JobError(
+            f"[prompt] column {column!r} of {source.label} must hold strings, not {t}; "
+            "for chat messages use [prompt] messages, for other columns a [prompt] template"
+        )
 
 
 def _with_schema(plan: Plan, input_schema: pa.Schema) -> Plan:

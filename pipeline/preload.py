@@ -26,6 +26,9 @@ import sys
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 _GUARD = "MTPLX_PRELOAD_REEXEC_DONE"
+# The re-executed CLI, with the current directory off sys.path: `-m` would put it first, so a folder
+# holding its own `mtplx/` or `pipeline/` would be imported instead of the installed packages.
+REEXEC_ENTRY = "import sys; del sys.path[0]; from pipeline.cli import main; main()"
 # Native-library settings the user has not chosen otherwise (see above).
 NATIVE_SETTINGS = {"OPENBLAS_THREAD_TIMEOUT": "20"}
 
@@ -59,6 +62,6 @@ def reexec_with_preloads() -> None:
     if os.environ.get(_GUARD) or env == dict(os.environ):
         return
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "pipeline.cli", *sys.argv[1:]], {**env, _GUARD: "1"})
+        os.execve(sys.executable, [sys.executable, "-c", REEXEC_ENTRY, *sys.argv[1:]], {**env, _GUARD: "1"})
     except OSError:
         return  # run on, slower, rather than fail

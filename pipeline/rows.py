@@ -6,7 +6,7 @@ from typing import Optional
 
 from .plan import RENDERED_PROMPT, Plan
 from .reader import PromptRow
-from .scoring import Scorer
+from .scoring import ScoreError, Scorer
 
 
 def _key_fields(plan: Plan, row: PromptRow, sample_index: int) -> dict:
@@ -40,7 +40,10 @@ def completion_row(plan: Plan, row: PromptRow, c, scorer: Optional[Scorer]) -> d
     if plan.logprobs:
         out["logprobs"] = None if c.logprobs is None else list(c.logprobs)
     if scorer is not None:
-        out["score"] = None if failed else scorer(c.text, row.reference)
+        try:
+            out["score"] = None if failed else scorer(c.text, row.reference)
+        except ScoreError as e:  # the completion stands; the row says what to fix in its reference
+            out.update(score=None, error=str(e))
     return out
 
 

@@ -21,12 +21,14 @@ from .engine import (
     resolve_model,
 )
 from .errors import EXIT_OK, JobError
-from .ids import KeySet, check_ids
-from .inputs import open_input
+from .ids import ROW_INDEX, KeySet, check_ids
+from .inputs import InputSource, open_input
 from .job import Prepared, RunResult, finish_holding_signals, slots_for
 from .outdir import (
     AUTO_SAMPLED_DEPTH,
+    MANIFEST,
     OutputState,
+    existing_meta_path,
     open_output,
     output_in_use,
     output_lock,
@@ -44,6 +46,7 @@ from .summary import throughput
 from .writer import PartWriter
 
 Log = Callable[[str], None]
+DEFAULT_ID_COLUMN = "id"
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,9 @@ def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
     if opts.max_memory is not None:
         spec = replace(spec, batch=replace(spec.batch, max_memory=opts.max_memory))
     ref = resolve_model(spec.model.path)
+    _check_max_tokens(spec, max_context_of(read_config(ref.path)))
     source = open_input(spec.input, exclude=Path(spec.output.path))  # parts under the input are not input
+    spec = _with_default_id_column(spec, source)
     plan = make_plan(spec, source, logprobs=spec.generation.logprobs)
     if plan.id_column:
         check_ids(lambda: source.iter_batches([plan.id_column], 65536), plan.id_column, source.label)
@@ -72,7 +77,43 @@ def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
     identity = json.loads(canonical)  # as the manifest will hold it (tuples become lists)
     spec_hash = hashlib.sha256(canonical.encode()).hexdigest()
     manifest = {"job": spec.name, "spec_hash": spec_hash, "identity": identity, "schema": [f.name for f in plan.schema]}
-    return Prepared(spec, ref, source, plan, manifest)
+    job = Prepared(spec, ref, source, plan, manifest)
+    manifest.update(input_rows=source.num_rows, output_rows=job.output_rows)  # what `mtplx inspect` counts against
+    return job
+
+
+def _with_default_id_column(spec: JobSpec, source: InputSource) -> JobSpec:
+    """An unset [input] id_column is the input's `id` column where it has one, as `mtplx generate`
+    takes it; an output directory a job keyed by row index before this default keeps resuming so."""
+    if spec.input.id_column is not None or DEFAULT_ID_COLUMN not in source.column_names():
+        return spec
+    found = existing_meta_path(Path(spec.output.path), MANIFEST)
+    if found is not None:
+        try:
+            if ROW_INDEX in json.loads(found.read_text()).get("schema", []):
+                return spec
+        except (OSError, ValueError, AttributeError):
+            pass  # open_output names an unreadable manifest
+    return replace(spec, input=replace(spec.input, id_column=DEFAULT_ID_COLUMN))
+
+
+def _size_on_disk(path: Path) -> str:
+    size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return ""
+
+
+def _check_max_tokens(spec: JobSpec, limit: Optional[int]) -> None:
+    """max_tokens that leave no room for a prompt in the model's context would fail every row."""
+    max_tokens = spec.generation.max_tokens
+    if limit is not None and max_tokens >= limit:
+        raise JobError(
+            f"[generation] max_tokens {max_tokens} leaves no room for a prompt in the model's context of "
+            f"{limit} tokens (max_position_embeddings); set max_tokens below {limit}"
+        )
 
 
 def run_job(
@@ -108,7 +149,12 @@ def run_locally(
     recorded = state.recorded.get(AUTO_SAMPLED_DEPTH) if auto else None
     given = {} if recorded is None else {"sampled_depth": recorded}
     todo = job.output_rows - state.rows_done
+    if not opts.quiet:
+        log(f"{job.spec.name}: loading model {job.ref.path} ({_size_on_disk(job.ref.path)} on disk)")
+    loading = time.monotonic()
     engine = engine_factory(job.ref, slots_for(job.spec, todo), job.spec.batch.max_memory, **given)
+    if not opts.quiet:
+        log(f"{job.spec.name}: model loaded and its decode passes ready in {time.monotonic() - loading:.1f} s")
     manifest = job.manifest
     if auto and "depth" in engine.stats.get("auto_depth", {}):
         manifest = {**manifest, AUTO_SAMPLED_DEPTH: engine.stats["auto_depth"]["depth"]}

@@ -1,4 +1,5 @@
-"""Scorers for evaluation jobs: 1.0 / 0.0 per row, None when unscorable."""
+"""Scorers for evaluation jobs: 1.0 / 0.0 per row, None when there is no
+answer to score against; `ScoreError` when the reference itself is broken."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Callable, Optional
 from .spec import EvaluationSpec
 
 Scorer = Callable[[str, object], Optional[float]]
+
+
+class ScoreError(ValueError):
+    """A reference the scorer cannot use (a regex that does not compile); the row's error names it."""
 
 
 def make_scorer(spec: EvaluationSpec) -> Scorer:
@@ -30,8 +35,7 @@ def make_scorer(spec: EvaluationSpec) -> Scorer:
             return float(norm(completion) == norm(ref))
         if spec.scorer == "contains":
             return float(norm(ref) in norm(completion))
-        pattern = _compile(ref, spec.ignore_case)
-        return None if pattern is None else float(pattern.search(completion) is not None)
+        return float(_compile(ref, spec.ignore_case).search(completion) is not None)
 
     return score
 
@@ -40,5 +44,5 @@ def make_scorer(spec: EvaluationSpec) -> Scorer:
 def _compile(pattern: str, ignore_case: bool):
     try:
         return re.compile(pattern, re.IGNORECASE if ignore_case else 0)
-    except re.error:
-        return None  # an invalid pattern leaves the row unscored
+    except re.error as e:
+        raise ScoreError(f"scoring: the reference {pattern!r} is not a valid regular expression ({e})") from None

@@ -41,7 +41,7 @@ class InputSpec:
     dataset: Optional[str] = None  # a `datasets` name or a save_to_disk directory
     split: str = "train"
     dataset_config: Optional[str] = None
-    id_column: Optional[str] = None  # None: the row index keys the rows
+    id_column: Optional[str] = None  # None: the input's `id` column if it has one, else the row index; "": row index
     keep_columns: Tuple[str, ...] = ()
 
 
@@ -138,6 +138,7 @@ class JobSpec:
         d["model"].pop("path")
         for k in ("path", "dataset"):
             d["input"].pop(k)
+        d["input"]["id_column"] = d["input"].get("id_column") or None  # "" and unset both key rows by index
         return d
 
 
@@ -153,6 +154,12 @@ def _kind(v) -> str:
 def _str(where, v):
     if not isinstance(v, str) or not v:
         raise JobError(f"{where} must be a non-empty string, got {v!r}")
+    return v
+
+
+def _str_or_empty(where, v):
+    if not isinstance(v, str):
+        raise JobError(f"{where} must be a string, got {v!r}")
     return v
 
 
@@ -292,7 +299,7 @@ SECTIONS: Dict[str, Tuple[type, Dict[str, Tuple[str, Checker]]]] = {
             "dataset": ("dataset", _str),
             "split": ("split", _str),
             "dataset_config": ("dataset_config", _str),
-            "id_column": ("id_column", _str),
+            "id_column": ("id_column", _str_or_empty),
             "keep_columns": ("keep_columns", _list_of(_str)),
         },
     ),

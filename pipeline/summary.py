@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import JobError
-from .outdir import MANIFEST, SUMMARY, part_files
+from .outdir import MANIFEST, SUMMARY, existing_meta_path, part_files
 
 METRIC_COLUMNS = (
     "error",
@@ -200,19 +200,21 @@ def load_or_compute(out: Path) -> dict:
     """summary.json when the job finished; otherwise totals from the parts."""
     if not out.is_dir():
         raise JobError(f"not an output directory: {out}")
-    f = out / SUMMARY
-    if f.exists():
+    f = existing_meta_path(out, SUMMARY)
+    if f is not None:
         try:
             return json.loads(f.read_text())
         except ValueError as e:
             raise JobError(f"unreadable {f}: {e}") from None
-    if not (out / MANIFEST).exists() and not part_files(out):
+    found = existing_meta_path(out, MANIFEST)
+    if found is None and not part_files(out):
         raise JobError(f"{out} holds no mtplx output (no {SUMMARY}, {MANIFEST} or part files)")
     summary = {"job": None, "complete": False, "output_dir": str(out)}
     try:
-        manifest = json.loads((out / MANIFEST).read_text())
+        manifest = json.loads(found.read_text())
         summary["job"] = manifest.get("job")
-    except (OSError, ValueError):
+        summary["rows_expected"] = manifest.get("output_rows")
+    except (AttributeError, OSError, ValueError):
         pass
     summary.update(totals_of(out).metrics())
     return summary
@@ -220,7 +222,13 @@ def load_or_compute(out: Path) -> dict:
 
 def format_summary(s: dict) -> str:
     lines = []
-    state = "complete" if s.get("complete") else "incomplete (no summary.json yet; totals from the parts)"
+    state = "complete"
+    if not s.get("complete"):
+        expected = s.get("rows_expected")
+        done = (
+            f"{s.get('rows', 0)} of {expected} rows done" if expected is not None else f"{s.get('rows', 0)} rows done"
+        )
+        state = f"incomplete: {done} (no summary yet; totals from the parts; rerun the job to resume)"
     lines.append(f"job {s.get('job')}: {state}")
     lines.append(f"output: {s.get('output_dir')}  ({s.get('rows', 0)} rows in {s.get('parts', 0)} parts)")
     reasons = ", ".join(f"{k} {v}" for k, v in (s.get("finish_reasons") or {}).items())

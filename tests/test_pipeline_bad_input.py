@@ -73,15 +73,6 @@ def test_null_empty_and_overlong_prompts_become_error_rows_and_exit_1(tmp_path, 
         assert rows[i]["error"] is None and rows[i]["completion_tokens"] > 0
 
 
-def test_non_string_prompts_become_error_rows(tmp_path, tiny_model):
-    inp = write_parquet(tmp_path / "in.parquet", id=["a", "b"], prompt=[12, 13])
-    out = tmp_path / "out"
-    job = write_job(tmp_path / "j.toml", job_text(inp, out, tiny_model))
-    r = invoke("run", job)
-    assert r.exit_code == 1 and "2 row errors" in r.stderr
-    assert {row["error"] for row in parts_rows(out)} == {"prompt is not a string (got int)"}
-
-
 def test_bad_chat_messages_become_error_rows(tmp_path, tiny_model):
     messages = [[{"role": "user", "content": "hi"}], [], None]
     inp = write_parquet(tmp_path / "in.parquet", id=["a", "b", "c"], messages=messages)

@@ -94,14 +94,14 @@ def test_a_resumed_auto_job_samples_at_the_depth_its_first_run_recorded(tiny_mod
     out = tmp_path / "out"
     first = run_job(spec, RunOptions(quiet=True), log=lambda s: None)
     chosen = first.summary["runtime"]["stats"]["auto_depth"]["depth"]
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / ".mtplx" / "manifest.json").read_text())
     assert manifest["auto_sampled_depth"] == chosen  # recorded when the first run wrote its manifest
     # A first run whose calibration chose another depth, and a part lost.
     other = (chosen + 1) % 4
-    (out / "manifest.json").write_text(json.dumps({**manifest, "auto_sampled_depth": other}))
+    (out / ".mtplx" / "manifest.json").write_text(json.dumps({**manifest, "auto_sampled_depth": other}))
     for part in out.glob("part-*.parquet"):
         part.unlink()
     again = run_job(spec, RunOptions(quiet=True), log=lambda s: None)
     plan = again.summary["runtime"]["stats"]["auto_depth"]
     assert plan["depth"] == other and plan["depth_from"].startswith("given")
-    assert json.loads((out / "manifest.json").read_text())["auto_sampled_depth"] == other
+    assert json.loads((out / ".mtplx" / "manifest.json").read_text())["auto_sampled_depth"] == other

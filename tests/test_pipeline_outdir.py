@@ -44,7 +44,7 @@ def test_a_run_on_an_output_directory_another_run_holds_is_refused_and_writes_no
         line = one_line(invoke("run", job))
         assert "in use by another run" in line and f"pid {os.getpid()}" in line
         assert "in use" in one_line(invoke("run", job, "--dry-run"))
-        assert not list(out.glob("part-*")) and not (out / "manifest.json").exists()
+        assert not list(out.glob("part-*")) and not (out / ".mtplx" / "manifest.json").exists()
     r = invoke("run", job)  # released, as the kernel releases it when its holder dies (kill -9 too)
     assert r.exit_code == 0, r.output
     assert pq.read_table(sorted(out.glob("part-*.parquet"))).num_rows == len(PROMPTS)
@@ -96,7 +96,7 @@ def test_an_output_directory_inside_the_input_directory_resumes_without_reading_
     r = invoke("run", job)
     assert r.exit_code == 0, r.output
     first = snapshot(out)
-    (out / "summary.json").unlink()  # as a run killed before its summary leaves it
+    (out / ".mtplx" / "summary.json").unlink()  # as a run killed before its summary leaves it
     r = invoke("run", job)
     assert r.exit_code == 0, r.output
     assert {k: v for k, v in snapshot(out).items() if k.startswith("part-")} == {

@@ -100,7 +100,7 @@ def test_greedy_rows_with_the_same_prompt_get_the_same_completion(finished):
 
 
 def test_summary_json_has_every_field_and_matches_the_parts(finished):
-    s = json.loads((finished / "summary.json").read_text())
+    s = json.loads((finished / ".mtplx" / "summary.json").read_text())
     missing = [f for f in SUMMARY_FIELDS if f not in s]
     assert not missing, missing
     t = read_parts(finished).to_pylist()
@@ -118,7 +118,7 @@ def test_summary_json_has_every_field_and_matches_the_parts(finished):
 
 
 def test_inspect_prints_the_summary_and_the_acceptance_table(finished):
-    s = json.loads((finished / "summary.json").read_text())
+    s = json.loads((finished / ".mtplx" / "summary.json").read_text())
     r = invoke("inspect", finished)
     assert r.exit_code == 0, r.output
     assert f"{s['rows']} rows in {s['parts']} parts" in r.stdout and "complete" in r.stdout
@@ -131,7 +131,7 @@ def test_inspect_prints_the_summary_and_the_acceptance_table(finished):
 def test_inspect_of_an_unfinished_job_totals_the_parts(finished, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(finished, copy)
-    (copy / "summary.json").unlink()
+    (copy / ".mtplx" / "summary.json").unlink()
     r = invoke("inspect", copy)
     assert r.exit_code == 0 and "incomplete" in r.stdout and f"{len(PROMPTS)} rows" in r.stdout
 
@@ -192,7 +192,6 @@ def test_chat_messages_use_the_tokenizer_chat_template(tmp_path, tiny_model):
         ("contains", "x", "abcd", 0.0),
         ("regex", r"^a.c", "abcd", 1.0),
         ("regex", r"\d+", "abcd", 0.0),
-        ("regex", "(", "abcd", None),
         ("exact", None, "abc", None),
         ("exact", 42, "42", 1.0),
         # A reference with no text is no answer: "" is in every completion and matches every regex.
@@ -207,6 +206,14 @@ def test_scorers(scorer, reference, completion, expected):
     from pipeline.spec import EvaluationSpec
 
     assert make_scorer(EvaluationSpec("reference", scorer))(completion, reference) == expected
+
+
+def test_an_invalid_regex_reference_is_a_scoring_error_that_names_the_pattern():
+    from pipeline.scoring import ScoreError, make_scorer
+    from pipeline.spec import EvaluationSpec
+
+    with pytest.raises(ScoreError, match=r"reference 'a\(b' is not a valid regular expression"):
+        make_scorer(EvaluationSpec("reference", "regex"))("abcd", "a(b")
 
 
 def test_dry_run_reports_without_loading_weights_or_writing(tmp_path, tiny_model):
@@ -295,7 +302,7 @@ def test_max_memory_sizes_the_runtime(tmp_path, tiny_model):
     job, out = make_job(tmp_path, tiny_model, '[prompt]\ncolumn = "prompt"\n[generation]\nmax_tokens = 3\n')
     r = invoke("run", job, "--max-memory", "1GB")
     assert r.exit_code == 0, r.output
-    rt = json.loads((out / "summary.json").read_text())["runtime"]
+    rt = json.loads((out / ".mtplx" / "summary.json").read_text())["runtime"]
     assert 1 <= rt["max_batch"] <= 16 and rt["estimated_memory_bytes"] <= 10**9
 
 
@@ -306,7 +313,7 @@ def test_a_job_of_fewer_rows_than_slots_decodes_in_as_many_slots_as_it_has_sampl
         "generate", "--input", inp, "--output", out, "--model", tiny_model, "--max-tokens", 2, "--batch-size", 16
     )
     assert r.exit_code == 0, r.output
-    assert json.loads((out / "summary.json").read_text())["runtime"]["max_batch"] == 3
+    assert json.loads((out / ".mtplx" / "summary.json").read_text())["runtime"]["max_batch"] == 3
     assert read_parts(out).num_rows == 3
 
 

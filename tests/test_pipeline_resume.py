@@ -99,7 +99,7 @@ def test_kill_9_at_random_points_then_rerun_equals_an_uninterrupted_run(tmp_path
     killed_mid_run = 0
     for min_parts, delay in points:
         alive = kill_at(job, out, min_parts, delay)
-        killed_mid_run += alive and not (out / "summary.json").exists()
+        killed_mid_run += alive and not (out / ".mtplx" / "summary.json").exists()
         for p in parts(out):  # every part present is whole
             pq.read_metadata(p)
     print(
@@ -110,7 +110,7 @@ def test_kill_9_at_random_points_then_rerun_equals_an_uninterrupted_run(tmp_path
 
     final = run_cli("run", job, "--quiet")
     assert final.returncode == 0, final.stderr
-    assert not list(out.glob("*.tmp"))
+    assert not list(out.glob(".*.tmp"))
     resumed = rows_by_key(out, n)
     assert resumed.keys() == reference.keys()
     differing = sum(resumed[k] != reference[k] for k in reference)
@@ -139,7 +139,7 @@ def test_sigterm_then_sigint_save_finished_rows_and_exit_128_plus_the_signal(tmp
     first = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGINT: "SIGINT"}.get(p.returncode)
     assert first is not None, err
     assert f"interrupted by {first}" in err and "Traceback" not in err
-    assert not list(out.glob("*.tmp")) and not (out / "summary.json").exists()
+    assert not list(out.glob(".*.tmp")) and not (out / ".mtplx" / "summary.json").exists()
     done = pq.read_table(parts(out)).num_rows
     assert 0 < done < rows
     r = run_cli("run", job, "--quiet")

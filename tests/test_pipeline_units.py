@@ -107,7 +107,7 @@ def test_writer_flushes_by_rows_and_by_time_and_renames_whole_parts(tmp_path):
     w.add({"x": 4})  # 11 s since the last flush
     assert sorted(p.name for p in tmp_path.iterdir()) == ["part-00003.parquet", "part-00004.parquet"]
     assert pq.read_table(tmp_path / "part-00004.parquet").column("x").to_pylist() == [3, 4]
-    assert w.rows_written == 4 and not list(tmp_path.glob("*.tmp"))
+    assert w.rows_written == 4 and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_a_signal_during_a_part_write_is_held_until_the_part_is_whole(tmp_path):
@@ -228,13 +228,13 @@ def test_resume_fills_in_exactly_the_missing_samples(tmp_path, fake_model_dir):
     parts = sorted((tmp_path / "out").glob("part-*.parquet"))
     for p in parts[1::2]:
         p.unlink()
-    (tmp_path / "out" / "part-00099.parquet.tmp").write_bytes(b"half a part")
-    (tmp_path / "out" / "summary.json").unlink()
+    (tmp_path / "out" / ".part-00099.parquet.tmp").write_bytes(b"half a part")
+    (tmp_path / "out" / ".mtplx" / "summary.json").unlink()
     result = run_fake(spec)
     assert result.exit_code == 0 and result.summary["rows"] == 12
     again = [((r["id"], r["sample_index"]), r["completion"]) for r in read_out(tmp_path)]
     assert len(again) == 12 and dict(again) == full
-    assert not list((tmp_path / "out").glob("*.tmp"))
+    assert not list((tmp_path / "out").glob(".*.tmp"))
 
 
 def test_rerunning_a_finished_job_adds_nothing(tmp_path, fake_model_dir):
@@ -310,7 +310,7 @@ def test_part_files_without_a_manifest_are_not_resumed(tmp_path, fake_model_dir)
     inp = write_parquet(tmp_path / "in.parquet", id=["a"], prompt=["x"])
     spec = fake_spec(tmp_path, inp)
     run_fake(spec)
-    (tmp_path / "out" / "manifest.json").unlink()
+    (tmp_path / "out" / ".mtplx" / "manifest.json").unlink()
     with pytest.raises(JobError, match="no manifest.json"):
         run_fake(spec)
     assert run_fake(spec, overwrite=True).exit_code == 0
@@ -356,7 +356,7 @@ def test_a_signal_while_the_summary_is_written_waits_for_it_then_exits_143(tmp_p
     result = run_fake(fake_spec(tmp_path, inp))
     assert result.exit_code == 128 + signal.SIGTERM
     assert result.summary["rows"] == 3 and "interrupted by SIGTERM after the last row" in result.warnings[-1]
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"] == 3
+    assert json.loads((tmp_path / "out" / ".mtplx" / "summary.json").read_text())["rows"] == 3
     assert signal.getsignal(signal.SIGTERM) == before
 
 

@@ -87,7 +87,7 @@ def assert_same_rows(out, reference_rows):
 def summary_of(out):
     import json
 
-    return json.loads((out / "summary.json").read_text())
+    return json.loads((out / ".mtplx" / "summary.json").read_text())
 
 
 # ----------------------------------------------------------- on a Ray cluster
@@ -161,7 +161,7 @@ def test_rerun_on_ray_resumes_a_partly_written_local_output(tmp_path, tiny_model
     ref_out, ref_rows = reference
     out = tmp_path / "out"
     shutil.copytree(ref_out, out)
-    (out / "summary.json").unlink()
+    (out / ".mtplx" / "summary.json").unlink()
     parts = sorted(out.glob("part-*.parquet"))
     missing = sum(pq.read_metadata(p).num_rows for p in parts[::2])
     for p in parts[::2]:
@@ -203,11 +203,11 @@ def test_a_retried_shard_writes_only_the_rows_its_first_attempt_did_not(tmp_path
         assert first.tally.rows == 10 * N and len(parts) > 2
         lost = pq.read_metadata(parts[-1]).num_rows
         parts[-1].unlink()  # the first attempt died before writing its last part...
-        (out / (parts[-1].name + ".tmp")).write_bytes(b"half a part")  # ...while writing it
+        (out / ("." + parts[-1].name + ".tmp")).write_bytes(b"half a part")  # ...while writing it
 
         retry = worker.run_shard(3, shard_rows())
         assert retry.skipped == 10 * N - lost and retry.tally.rows == lost
-        assert not list(out.glob("*.tmp"))
+        assert not list(out.glob(".*.tmp"))
         rows = rows_by_key(out)
         assert len(rows) == 10 * N
         assert all(rows[k] == reference[1][k] for k in rows)
@@ -312,10 +312,10 @@ def test_ray_actors_sample_at_one_auto_depth_which_a_resume_reuses(tmp_path, tin
     actors = summary_of(out)["runtime"]["per_actor"]
     depths = {a["sampled_depth"] for a in actors}
     assert len(actors) == 2 and len(depths) == 1  # the second actor took the first one's depth
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / ".mtplx" / "manifest.json").read_text())
     assert manifest["auto_sampled_depth"] == depths.pop()
     other = (manifest["auto_sampled_depth"] + 1) % 4  # a first run that chose another depth
-    (out / "manifest.json").write_text(json.dumps({**manifest, "auto_sampled_depth": other}))
+    (out / ".mtplx" / "manifest.json").write_text(json.dumps({**manifest, "auto_sampled_depth": other}))
     for part in sorted(out.glob("part-*.parquet"))[1:]:
         part.unlink()
     r = invoke("run", job, "--engine", "ray", "--actors", "2", "--quiet")

@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from mtplx import backends
+from mtplx.assets import default_model_path
 from mtplx.models.adapter import CheckpointError, FamilyAdapter
 from mtplx.models.checkpoint import SIDECAR, load_tensors, read_config, shard_files, shard_shapes
 from mtplx.models.families import family_for
@@ -111,8 +112,11 @@ def open_checkpoint(path):
     return path, config, family, files, shard_shapes(files)
 
 
-def load(path, *, lazy: bool = False) -> MTPModel:
-    """Load a checkpoint (HF layout or converted by `mtplx convert`) with its MTP head."""
+def load(path=None, *, lazy: bool = False) -> MTPModel:
+    """Load a checkpoint (HF layout or converted by `mtplx convert`) with its MTP head;
+    no path, or "default", is the built-in model."""
+    if path is None or path == "default":
+        path = default_model_path()
     path, config, family, files, shapes = open_checkpoint(path)
     trunk = _load_trunk(path, family, config)
     tokenizer = _load_tokenizer(path, config)
