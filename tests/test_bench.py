@@ -862,3 +862,10 @@ def test_an_unwritable_output_or_plot_path_is_refused_before_the_run(tiny_model,
     result = CliRunner().invoke(bench_cmd, args)
     assert result.exit_code == 2 and f"cannot write {option}" in result.output
     assert "bare costs" not in result.output and not (tmp_path / "b.json").exists()  # nothing ran
+
+
+def test_the_bench_takes_the_held_out_prompts_of_a_source_checkout():
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    assert bench.REPO_PROMPTS == repo / "jobs" / "data" / "prompts.parquet" and bench.REPO_PROMPTS.is_file()

@@ -46,7 +46,7 @@ SHORT_RUN_PROMPTS = 8  # runs of fewer prompts get proportionally more rounds (B
 # spells as the runs they predict (docs/bench-history.md, on the bare costs' rounds).
 BARE_COST_ROUNDS_FIRST = 24
 BARE_COST_ROUNDS_BETWEEN = 3
-REPO_PROMPTS = Path(__file__).resolve().parents[1] / "jobs" / "data" / "prompts.parquet"
+REPO_PROMPTS = Path(__file__).resolve().parents[2] / "jobs" / "data" / "prompts.parquet"
 
 # Used when jobs/data/prompts.parquet is absent (an installed wheel) or pyarrow is.
 BUILTIN_PROMPTS = (
