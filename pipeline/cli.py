@@ -326,7 +326,7 @@ def generate_cmd(
     mtplx generate --input IN --output OUT [--model DIR]
         [--prompt-column COL | --messages-column COL] [--id-column COL]
         [--keep-column COL ...] [--depth K|auto] [--batch-size N]
-        [--max-tokens N] [-n N] [--temperature T] [--top-p P] [--top-k K]
+        [--max-tokens N] [-n|--n N] [--temperature T] [--top-p P] [--top-k K]
         [--min-p P] [--seed S] [--stop TEXT ...] [--flush-rows N]
         [--overwrite | --retry-errors] [--dry-run] [--quiet] [--logprobs]
         [--max-memory SIZE]

@@ -44,9 +44,7 @@ def _run_from(cwd: Path, *args) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(not MTPLX.exists(), reason="needs the installed mtplx script")
 @pytest.mark.parametrize("package", ["mtplx", "pipeline"])
-def test_the_command_run_from_a_folder_holding_a_package_of_the_same_name_runs_the_installed_one(
-    tmp_path, package
-):
+def test_the_command_run_from_a_folder_holding_a_package_of_the_same_name_runs_the_installed_one(tmp_path, package):
     (tmp_path / package).mkdir()
     (tmp_path / package / "__init__.py").write_text("raise SystemExit('imported the wrong package')")
     (tmp_path / package / "cli.py").write_text("raise SystemExit('imported the wrong package')")

@@ -70,8 +70,9 @@ def test_a_job_at_depth_auto_says_what_it_planned_and_records_it_in_the_summary(
     result = run_job(spec, RunOptions(), log=lines.append)
     assert result.exit_code == 0, lines
     assert lines[0] == "nightly: depth auto: timing the decode passes on this machine first"
+    assert lines[1].startswith("nightly: loading model ") and "ready in" in lines[2]
     plan = result.summary["runtime"]["stats"]["auto_depth"]
-    assert lines[1] == f"nightly: depth auto: {plan['policy']}"
+    assert lines[3] == f"nightly: depth auto: {plan['policy']}"
     assert sum(plan["cycles_by_depth"].values()) > 0 and "bare_costs" in plan
 
 

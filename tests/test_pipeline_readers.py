@@ -35,11 +35,13 @@ def _ids(out):
 
 
 def _job(tmp_path, model, out, rows=ROWS, flush_rows=4):
-    inp = write_parquet(tmp_path / "in.parquet", id=[f"r{i}" for i in range(rows)], prompt=[f"p {i}" for i in range(rows)])
+    inp = write_parquet(
+        tmp_path / "in.parquet", id=[f"r{i}" for i in range(rows)], prompt=[f"p {i}" for i in range(rows)]
+    )
     return write_job(
         tmp_path / "job.toml",
         f'[model]\npath = "{model}"\ndepth = 2\n[input]\npath = "{inp}"\n[prompt]\ncolumn = "prompt"\n'
-        f'[generation]\nmax_tokens = 10\n[batch]\nmax_batch = 4\nwindow = 8\nread_rows = 8\n'
+        f"[generation]\nmax_tokens = 10\n[batch]\nmax_batch = 4\nwindow = 8\nread_rows = 8\n"
         f'[output]\npath = "{out}"\nflush_rows = {flush_rows}\n',
     )
 

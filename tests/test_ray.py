@@ -125,6 +125,10 @@ def test_ray_job_with_two_actors_writes_the_local_engines_rows_and_summary(
     assert s["runtime"]["stats"]["decode_tokens"] > 0 and s["rows_this_run"] == ROWS * N
     shown = invoke("inspect", out)
     assert shown.exit_code == 0 and f"{ROWS * N} rows" in shown.output
+    from test_pipeline_readers import _ids  # every reader opens the shards' parts as it opens a local run's
+
+    for reader, ids in _ids(out).items():
+        assert len(ids) == ROWS * N and set(ids) == set(pq.read_table(ref_out).column("id").to_pylist()), reader
 
 
 @pytest.mark.ray
