@@ -15,8 +15,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mtplx.models.checkpoint import write_shards  # noqa: F401  (tests and training write shards too)
 from mtplx.models.fp8 import fp8_block_size
 from mtplx.models.tokenizer_files import write_char_tokenizer
+from mtplx.models.widen import widen  # noqa: F401  (a model of real size with a trained model's function)
 
 FAMILIES: Dict[str, Callable] = {}
 
@@ -39,25 +41,6 @@ def tiny_checkpoint(family: str, path, *, seed: int = 0, num_shards: int = 2, **
     tc = config.get("text_config", config)
     write_char_tokenizer(path, tc["vocab_size"])
     return path
-
-
-def write_shards(path: Path, tensors: Dict[str, mx.array], num_shards: int) -> None:
-    names = sorted(tensors)
-    num_shards = max(1, min(num_shards, len(names)))
-    per = (len(names) + num_shards - 1) // num_shards
-    weight_map = {}
-    total = 0
-    for i in range(num_shards):
-        part = names[i * per : (i + 1) * per]
-        if not part:
-            continue
-        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        mx.save_safetensors(str(path / fname), {k: tensors[k] for k in part}, metadata={"format": "pt"})
-        weight_map.update({k: fname for k in part})
-        total += sum(tensors[k].nbytes for k in part)
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
 
 
 def _randomize_norms(module: nn.Module) -> None:

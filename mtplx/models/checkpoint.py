@@ -103,3 +103,22 @@ def read_config(path: Path) -> dict:
         return json.loads(cfg.read_text())
     except ValueError as e:
         raise CheckpointError(f"{cfg}: invalid JSON ({e})") from None
+
+
+def write_shards(path: Path, tensors: Dict[str, mx.array], num_shards: int) -> None:
+    names = sorted(tensors)
+    num_shards = max(1, min(num_shards, len(names)))
+    per = (len(names) + num_shards - 1) // num_shards
+    weight_map = {}
+    total = 0
+    for i in range(num_shards):
+        part = names[i * per : (i + 1) * per]
+        if not part:
+            continue
+        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        mx.save_safetensors(str(path / fname), {k: tensors[k] for k in part}, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+        total += sum(tensors[k].nbytes for k in part)
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
