@@ -90,3 +90,29 @@ def test_widen_refuses_another_family_and_a_smaller_shape(tmp_path):
         widen(tiny_checkpoint("deepseek_v3", tmp_path / "d", vocab_size=48), tmp_path / "w", **SHAPE)
     with pytest.raises(ValueError, match="only grows"):
         widen(mtplx.default_model_path(), tmp_path / "w", hidden=64, layers=24, intermediate=576)
+
+
+def test_a_padded_vocabulary_is_computed_and_never_sampled_by_the_decoder_or_the_baseline(tmp_path, models, held_out):
+    from mlx_lm.generate import batch_generate
+
+    from mtplx.bench.run import baseline_logits_processors
+
+    src, _ = models
+    wide = mtplx.load(widen(mtplx.default_model_path(), tmp_path / "v", **SHAPE, vocab_size=2048))
+    assert wide.vocab_size == src.vocab_size == 512
+    assert wide.trunk.language_model.lm_head.weight.shape == (2048, 192)  # the whole layer is computed
+    tokens = mx.array([src.tokenizer.encode(held_out[0])[:32]])
+    logits, _ = wide.logits_and_hidden(wide.run_layers(wide.embed(tokens), None))
+    head_logits, _ = wide.head(mx.zeros((1, 1, 192)), tokens[:, :1])
+    assert logits.shape[-1] == head_logits.shape[-1] == 512  # the decoder cuts the padded ids off
+    (cut,) = baseline_logits_processors(wide)
+    assert cut(None, mx.zeros((1, 2048))).shape == (1, 512) and baseline_logits_processors(src) == []
+    assert _decode(wide, held_out[:4]) == _decode(src, held_out[:4])
+
+    def mlx_lm_tokens(model, processors):
+        ids = [model.tokenizer.encode(p) for p in held_out[:4]]
+        return batch_generate(
+            model.trunk, model.tokenizer, ids, max_tokens=12, return_token_ids=True, logits_processors=processors
+        ).token_ids
+
+    assert mlx_lm_tokens(wide, baseline_logits_processors(wide)) == mlx_lm_tokens(src, [])

@@ -319,6 +319,15 @@ def setting_records(
     return [baseline_record(B, t, base_runs, plan)] + records
 
 
+def baseline_logits_processors(model) -> list:
+    """What mlx-lm's baseline needs to sample the tokens MTPLX may: where the output layer is padded
+    past the tokenizer's vocabulary, a cut of the padded ids (both sides still compute the whole layer)."""
+    vocab = model.vocab_size
+    if int(model.text_model.embed_tokens.weight.shape[0]) == vocab:
+        return []
+    return [lambda tokens, logits: logits[..., :vocab]]
+
+
 def run_baseline(
     model, prompts: List[List[int]], max_tokens: int, temperature: float, seed: int, batch_size: int
 ) -> Run:
@@ -340,6 +349,7 @@ def run_baseline(
         # mlx-lm decodes max(completion, prefill) batch sizes at once: both = B caps it at B.
         completion_batch_size=batch_size,
         prefill_batch_size=min(batch_size, 8),
+        logits_processors=baseline_logits_processors(model),
     )
     seconds = time.perf_counter() - t0
     return Run(sum(len(ids) for ids in out.token_ids), seconds, out.stats.prompt_time)

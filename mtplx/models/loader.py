@@ -46,7 +46,10 @@ class MTPModel:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.text_model.embed_tokens.weight.shape[0])
+        """The tokenizer's vocabulary: the config's `tokenizer_vocab_size` where the output layer is padded
+        past it (as releases pad it to a round size), else the embedding's rows."""
+        cfg = self.config.get("text_config", self.config)
+        return int(cfg.get("tokenizer_vocab_size") or self.text_model.embed_tokens.weight.shape[0])
 
     @property
     def eos_token_ids(self) -> set:
@@ -86,8 +89,8 @@ class MTPModel:
 
     def logits_and_hidden(self, x: mx.array) -> Tuple[mx.array, mx.array]:
         normed = self.text_model.norm(x)
-        logits = self.family.lm_head(self.trunk)(normed)  # [B, T, V]
-        return logits, (normed if self.family.hidden_after_norm else x)
+        logits = self.family.lm_head(self.trunk)(normed)  # [B, T, V_padded]
+        return cut_to_vocab(logits, self.vocab_size), (normed if self.family.hidden_after_norm else x)
 
     def make_cache(self):
         """Plain mlx-lm caches (batch 1 prefill, reference decoding)."""
@@ -122,6 +125,9 @@ def load(path=None, *, lazy: bool = False) -> MTPModel:
     tokenizer = _load_tokenizer(path, config)
     head, info = _load_head(path, config, family, trunk, files, shapes)
     model = MTPModel(trunk, head, tokenizer, config, family, path, info)
+    if head is not None and hasattr(head, "lm_head"):  # the head scores the tokenizer's ids alone, as the trunk
+        full, vocab = head.lm_head, model.vocab_size
+        object.__setattr__(head, "lm_head", lambda x: cut_to_vocab(full(x), vocab))
     backends.prepare_loaded(model)  # else a half-precision MoE cannot run a forward on the CPU at all
     if not lazy:
         mx.eval(trunk.parameters())
@@ -189,6 +195,12 @@ def load_tokenizer(path: Path, config: dict):
         # transformers would build a tokenizer of its special tokens alone, encoding every text as [].
         raise CheckpointError(f"no vocabulary file (one of {', '.join(VOCABULARY_FILES)})")
     return mlx_load_tokenizer(path, {"trust_remote_code": False}, eos_token_ids=eos_token_ids(path, config))
+
+
+def cut_to_vocab(logits: mx.array, vocab: int) -> mx.array:
+    """Logits [..., V_padded] of ids the tokenizer has: the padded rows are computed (their cost is the
+    output layer's) and never sampled, as vLLM trims logits to the tokenizer's vocabulary."""
+    return logits if logits.shape[-1] == vocab else logits[..., :vocab]
 
 
 def encode_text(tokenizer, text: str) -> List[int]:

@@ -42,18 +42,21 @@ def widen(
     intermediate: int,
     num_attention_heads: Optional[int] = None,
     linear_num_value_heads: Optional[int] = None,
+    vocab_size: Optional[int] = None,
     seed: int = 0,
     num_shards: int = 4,
 ) -> Path:
     """Write to `dst` a widened copy of the Qwen3.5 checkpoint `src` (module docstring).
     Head counts default to the source's scaled by hidden / source hidden; key heads follow
-    from the source's ratios."""
+    from the source's ratios. `vocab_size`: pad the embedding and output layer to this many rows;
+    the config records the tokenizer's vocabulary (`tokenizer_vocab_size`) and the decoder cuts the
+    padded logits off before sampling."""
     src, dst = Path(src), Path(dst)
     config = read_config(src)
     text = config.get("text_config", config)
     if config.get("model_type") != "qwen3_5" or text.get("num_experts"):
         raise CheckpointError(f"widen takes a dense qwen3_5 checkpoint, not {config.get('model_type')!r}")
-    shape = _Shape(text, hidden, layers, intermediate, num_attention_heads, linear_num_value_heads)
+    shape = _Shape(text, hidden, layers, intermediate, num_attention_heads, linear_num_value_heads, vocab_size)
     tensors = load_tensors(shard_files(src), lambda name: True)
     if any("conv1d.weight" in k and v.shape[-1] == 1 for k, v in tensors.items()):
         raise CheckpointError(f"{src} is in the MLX layout; widen takes the release (HF) layout")
@@ -72,8 +75,10 @@ def widen(
 
 
 class _Shape:
-    def __init__(self, text: dict, hidden, layers, intermediate, heads, linear_heads):
+    def __init__(self, text: dict, hidden, layers, intermediate, heads, linear_heads, vocab_size=None):
         self.src = text
+        self.V = text.get("tokenizer_vocab_size") or text["vocab_size"]  # the ids the tokenizer has
+        self.Vrows, self.Vrows2 = text["vocab_size"], vocab_size or text["vocab_size"]
         self.H, self.H2 = text["hidden_size"], hidden
         self.L, self.L2 = text["num_hidden_layers"], layers
         self.I, self.I2 = text["intermediate_size"], intermediate
@@ -85,8 +90,10 @@ class _Shape:
         rep, r = self.nq // self.nkv, self.Hv // self.Hk
         self.nq2 = heads or max(self.nq, round(self.nq * hidden / self.H / rep) * rep)
         self.Hv2 = linear_heads or max(self.Hv, round(self.Hv * hidden / self.H / r) * r)
-        if hidden < self.H or layers < self.L or intermediate < self.I:
-            raise ValueError("widen only grows a model: hidden, layers and intermediate must be at least the source's")
+        if hidden < self.H or layers < self.L or intermediate < self.I or self.Vrows2 < self.Vrows:
+            raise ValueError(
+                "widen only grows a model: hidden, layers, intermediate and vocab_size must be at least the source's"
+            )
         if self.nq2 < self.nq or self.nq2 % rep or self.Hv2 < self.Hv or self.Hv2 % r:
             raise ValueError(f"head counts must be at least the source's and multiples of its ratios ({rep}, {r})")
         self.nkv2, self.Hk2 = self.nq2 // rep, self.Hv2 // r
@@ -105,7 +112,10 @@ class _Shape:
             linear_num_key_heads=self.Hk2,
             linear_num_value_heads=self.Hv2,
             layer_types=["linear_attention" if self.is_linear(i) else "full_attention" for i in range(self.L2)],
+            vocab_size=self.Vrows2,
         )
+        if self.Vrows2 != self.V:
+            text["tokenizer_vocab_size"] = self.V
         return {**config, "text_config": text} if "text_config" in config else text
 
 
@@ -138,10 +148,12 @@ class _Widener:
 
     def checkpoint(self, t: Dict[str, mx.array]) -> Dict[str, mx.array]:
         s, out = self.s, {}
-        emb = t[TRUNK + "embed_tokens.weight"]
-        out[TRUNK + "embed_tokens.weight"] = mx.concatenate([emb, mx.zeros((emb.shape[0], s.H2 - s.H))], axis=1)
+        ids = (s.Vrows2, np.arange(s.Vrows))  # padded ids: rows after the source's, never sampled
+        emb = self.grow(t[TRUNK + "embed_tokens.weight"], rows=ids, cols=self.hidden_cols())
+        zeros = mx.zeros((s.Vrows2, s.H2 - s.H), dtype=emb.dtype)
+        out[TRUNK + "embed_tokens.weight"] = mx.concatenate([emb[:, : s.H], zeros], axis=1)
         if "lm_head.weight" in t:
-            out["lm_head.weight"] = self.grow(t["lm_head.weight"], cols=self.hidden_cols())
+            out["lm_head.weight"] = self.grow(t["lm_head.weight"], rows=ids, cols=self.hidden_cols())
         out[TRUNK + "norm.weight"] = self.norm(t[TRUNK + "norm.weight"])
         for i in range(s.L2):
             prefix = f"{TRUNK}layers.{i}."
