@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from mtplx.models.checkpoint import write_shards  # noqa: F401  (tests and training write shards too)
 from mtplx.models.fp8 import fp8_block_size
 from mtplx.models.tokenizer_files import write_char_tokenizer
-from mtplx.models.widen import widen  # noqa: F401  (a model of real size with a trained model's function)
+from mtplx.models.widen import SHAPES, widen, widened_config  # noqa: F401  (a model of real size with a trained model's function)
 
 FAMILIES: Dict[str, Callable] = {}
 

@@ -116,3 +116,21 @@ def test_a_padded_vocabulary_is_computed_and_never_sampled_by_the_decoder_or_the
         ).token_ids
 
     assert mlx_lm_tokens(wide, baseline_logits_processors(wide)) == mlx_lm_tokens(src, [])
+
+
+@pytest.mark.parametrize(
+    "name, hidden, layers, intermediate, heads, kv_heads",
+    [("qwen3.5-0.8b", 1024, 24, 3584, 8, 2), ("qwen3.5-4b", 2560, 32, 9216, 16, 4)],  # the releases' (docs/scale.md)
+)
+def test_named_shapes_widen_the_built_in_model_to_the_releases_sizes(
+    name, hidden, layers, intermediate, heads, kv_heads
+):
+    from mtplx.models.widen import attention_rows
+    from mtplx.testing import SHAPES, widened_config
+
+    text = widened_config(mtplx.default_model_path(), **SHAPES[name])["text_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"], text["intermediate_size"]) == (hidden, layers, intermediate)
+    assert text["vocab_size"] == 248320 and text["tokenizer_vocab_size"] == 512
+    ours = attention_rows(text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"])
+    assert abs(ours / attention_rows(heads, kv_heads, 256) - 1) < 0.01  # the same attention weight bytes a layer
+    assert text["num_attention_heads"] == 2 * text["num_key_value_heads"]  # the source's ratio: its heads keep their KV

@@ -29,6 +29,22 @@ from mtplx.models.adapter import CheckpointError
 from mtplx.models.checkpoint import load_tensors, read_config, shard_files, write_shards
 
 TRUNK = "model.language_model."
+
+# Named target shapes: hidden size, layers, MLP width and vocabulary of the releases (docs/scale.md cites the
+# sources). Their attention has 8/2 (0.8B) and 16/4 (4B) query/KV heads of 256 with an output gate; the source's
+# 24-wide heads in its 2:1 ratio reach the same attention weight bytes per layer within 1% (`attention_rows`).
+# The gated-delta heads are scaled from the source's: the sources found do not give the releases' counts.
+SHAPES = {
+    "qwen3.5-0.8b": dict(hidden=1024, layers=24, intermediate=3584, num_attention_heads=74, vocab_size=248320),
+    "qwen3.5-4b": dict(hidden=2560, layers=32, intermediate=9216, num_attention_heads=150, vocab_size=248320),
+}
+
+
+def attention_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Rows of hidden-sized weights in one gated attention layer: q and its gate, k, v, and o's columns."""
+    return (3 * num_heads + 2 * num_kv_heads) * head_dim
+
+
 _ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight")
 _HEAD_NORMS = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight")
 
@@ -52,11 +68,7 @@ def widen(
     the config records the tokenizer's vocabulary (`tokenizer_vocab_size`) and the decoder cuts the
     padded logits off before sampling."""
     src, dst = Path(src), Path(dst)
-    config = read_config(src)
-    text = config.get("text_config", config)
-    if config.get("model_type") != "qwen3_5" or text.get("num_experts"):
-        raise CheckpointError(f"widen takes a dense qwen3_5 checkpoint, not {config.get('model_type')!r}")
-    shape = _Shape(text, hidden, layers, intermediate, num_attention_heads, linear_num_value_heads, vocab_size)
+    config, shape = _plan(src, hidden, layers, intermediate, num_attention_heads, linear_num_value_heads, vocab_size)
     tensors = load_tensors(shard_files(src), lambda name: True)
     if any("conv1d.weight" in k and v.shape[-1] == 1 for k, v in tensors.items()):
         raise CheckpointError(f"{src} is in the MLX layout; widen takes the release (HF) layout")
@@ -72,6 +84,31 @@ def widen(
     write_shards(dst, out, num_shards)
     (dst / "config.json").write_text(json.dumps(shape.config(config), indent=2) + "\n")
     return dst
+
+
+def widened_config(
+    src,
+    *,
+    hidden: int,
+    layers: int,
+    intermediate: int,
+    num_attention_heads: Optional[int] = None,
+    linear_num_value_heads: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> dict:
+    """The config.json `widen` would write for these arguments, without reading or writing a weight."""
+    config, shape = _plan(
+        Path(src), hidden, layers, intermediate, num_attention_heads, linear_num_value_heads, vocab_size
+    )
+    return shape.config(config)
+
+
+def _plan(src: Path, *args):
+    config = read_config(src)
+    text = config.get("text_config", config)
+    if config.get("model_type") != "qwen3_5" or text.get("num_experts"):
+        raise CheckpointError(f"widen takes a dense qwen3_5 checkpoint, not {config.get('model_type')!r}")
+    return config, _Shape(text, *args)
 
 
 class _Shape:
