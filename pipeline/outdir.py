@@ -291,9 +291,7 @@ def clear_output(out: Path) -> None:
     """--overwrite: remove what a previous run wrote, and nothing else."""
     if not out.is_dir():
         return
-    meta = out / META_DIR
-    written = [*out.iterdir(), *(meta.iterdir() if meta.is_dir() else [])]
-    for p in written:
+    for p in _files_in(out):
         if PART_RE.match(p.name) or p.name.endswith(TEMP_SUFFIX) or p.name in (MANIFEST, SUMMARY):
             try:
                 p.unlink()
@@ -301,9 +299,14 @@ def clear_output(out: Path) -> None:
                 raise JobError(f"--overwrite cannot remove {p}: {e.strerror or e}") from None
 
 
-def _remove_temp_files(out: Path) -> None:
+def _files_in(out: Path) -> List[Path]:
+    """The entries of `out` and of its `.mtplx/`, where a run writes."""
     meta = out / META_DIR
-    for p in [*out.iterdir(), *(meta.iterdir() if meta.is_dir() else [])]:
+    return [*out.iterdir(), *(meta.iterdir() if meta.is_dir() else [])]
+
+
+def _remove_temp_files(out: Path) -> None:
+    for p in _files_in(out):
         if p.name.endswith(TEMP_SUFFIX) and p.is_file():
             p.unlink()
 

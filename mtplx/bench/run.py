@@ -325,7 +325,9 @@ def baseline_logits_processors(model) -> list:
     vocab = model.vocab_size
     if int(model.text_model.embed_tokens.weight.shape[0]) == vocab:
         return []
-    return [lambda tokens, logits: logits[..., :vocab]]
+    from mtplx.models.loader import cut_to_vocab
+
+    return [lambda tokens, logits: cut_to_vocab(logits, vocab)]
 
 
 def run_baseline(
