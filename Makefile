@@ -28,7 +28,7 @@ MLXENV = if [ "$$(cat $(VENV)/.backend 2>/dev/null || echo cpu)" = cpu ]; then \
   if [ -n "$$P" ]; then export LD_PRELOAD="$$P"; fi; \
   export OPENBLAS_THREAD_TIMEOUT=$${OPENBLAS_THREAD_TIMEOUT:-20}; fi;
 
-.PHONY: install run lint format test test-all test-gpu gpu-check gpu-wheels bench clean native-libs
+.PHONY: install run lint format test test-all test-gpu gpu-check gpu-receive gpu-check-dry gpu-wheels bench clean native-libs
 
 install: $(if $(filter cpu,$(BACKEND)),native-libs) $(STAMP)
 
@@ -83,15 +83,24 @@ test-all: install
 test-gpu: install
 	$(MLXENV) $(PY) -m pytest -q -rs -m gpu --gpu tests
 
-# On the GPU machine, with no network: install the CUDA backend from the wheels `make gpu-wheels` put in
-# .gpu/, run the GPU tests, widen the built-in model to real sizes and run `mtplx bench` on them in
-# bfloat16; JSON, tables and a log under OUT (docs/gpu.md has the device-tool recipe).
+# On the GPU machine, with no network and its own python3: install the CUDA backend from the wheels
+# `make gpu-wheels` put in .gpu/, run the GPU tests, widen the built-in model to real sizes and run
+# `mtplx bench` on them in bfloat16; JSON, tables and a log under OUT. docs/gpu.md has the device-tool recipe
+# (two calls: `gpu-receive` carries the first part of the wheels). ARGS: e.g. --seconds 400.
+GPU_PY ?= python3
 gpu-check:
-	bash scripts/gpu_check.sh $(OUT)
+	PY=$(GPU_PY) bash scripts/gpu_check.sh $(OUT) $(ARGS)
+
+gpu-receive:
+	PY=$(GPU_PY) bash scripts/gpu_check.sh $(OUT) --receive
+
+# The same script here, as far as it goes without a GPU: no install, tiny shapes, the default device.
+gpu-check-dry: install
+	PY=$(PY) bash scripts/gpu_check.sh $(OUT) --dry-run $(ARGS)
 
 # Here, with pip's network: the cp312 manylinux wheels the GPU machine lacks, split for its 64 MiB carry limit.
-gpu-wheels:
-	bash scripts/gpu_wheels.sh
+gpu-wheels: install
+	PY=$(PY) bash scripts/gpu_wheels.sh
 
 bench: install
 	$(MLXENV) $(VENV)/bin/mtplx bench --output bench.json

@@ -1,8 +1,9 @@
-"""The near-tie rule of each device (tests/exactness.py), which the exactness tests apply."""
+"""The near-tie rule of each device (mtplx.testing.near_tie), which the exactness tests apply."""
 
 import mlx.core as mx
 import pytest
-from exactness import CPU_TIE_GAP, bf16_step, near_tie
+
+from mtplx.testing import CPU_TIE_GAP, bf16_step, near_tie
 
 
 @pytest.mark.parametrize("x", [1.0, 0.75, -3.0, 40.5, 1.5 * 2.0**-10])
