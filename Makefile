@@ -18,7 +18,7 @@ GPU ?=
 BACKEND := $(if $(GPU),$(GPU),$(shell cat $(VENV)/.backend 2>/dev/null || echo cpu))
 BACKENDS := cpu cuda cuda12 cuda13
 STAMP := $(VENV)/.installed-$(BACKEND)
-LINTED := mtplx pipeline tests jobs
+LINTED := mtplx pipeline tests jobs scripts
 OUT ?= gpu-check
 # Runs its argument with OpenBLAS and jemalloc preloaded where they exist (Linux), plainly elsewhere,
 # and OpenBLAS's idle threads sleeping after ~0.4 ms instead of spinning ~0.1 s (pipeline/preload.py);

@@ -88,6 +88,10 @@ install_cuda() {
       || return 1
     echo "installed mlx, mlx-cuda-13, mlx-lm (--no-deps) in $(( $(date +%s) - t0 )) s; mtplx runs from the checkout"
   fi
+  # libmlx.so finds NVIDIA's libraries by its run path, in the site-packages it was installed into
+  local lib
+  lib=$("$PY" -c "import importlib.util as u; print(next(iter(u.find_spec('mlx').submodule_search_locations)))")/lib/libmlx.so
+  echo "libmlx.so's libraries: $(ldd "$lib" | grep -E 'cublas|cufft|cusolver|nvrtc|cudnn|nccl|libcuda|not found' | awk '{print $1 " -> " $3}' | tr '\n' ' ')"
   "$PY" - <<'PYEOF'
 import os
 import mlx.core as mx
