@@ -91,7 +91,9 @@ install_cuda() {
   # libmlx.so finds NVIDIA's libraries by its run path, in the site-packages it was installed into
   local lib
   lib=$("$PY" -c "import importlib.util as u; print(next(iter(u.find_spec('mlx').submodule_search_locations)))")/lib/libmlx.so
-  echo "libmlx.so's libraries: $(ldd "$lib" | grep -E 'cublas|cufft|cusolver|nvrtc|cudnn|nccl|libcuda|not found' | awk '{print $1 " -> " $3}' | tr '\n' ' ')"
+  echo "libmlx.so's libraries:"
+  ldd "$lib" | grep -E 'cublas|cufft|cusolver|nvrtc|cudnn|nccl|libcuda|not found' | sed 's/ (0x[0-9a-f]*)//'
+
   "$PY" - <<'PYEOF'
 import os
 import mlx.core as mx

@@ -16,8 +16,9 @@ WANT=(
   # mtplx's base dependency `datasets` and its needs that the GPU machine lacks (the check never imports them,
   # but `pip install -e .[cuda]` resolves them)
   "datasets==$(version datasets)" "dill==$(version dill)" "multiprocess==$(version multiprocess)"
-  # the build backend pyproject.toml names, for an editable install with no index
-  "setuptools>=77" "wheel"
+  # the build backend pyproject.toml names, and what `wheel` needs, for an editable install with no index
+  # (pip builds in an environment of its own, which sees none of the packages installed there)
+  "setuptools>=77" "wheel" "packaging>=24"
 )
 PLATFORMS=()
 for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014; do
