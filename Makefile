@@ -32,15 +32,16 @@ MLXENV = if [ "$$(cat $(VENV)/.backend 2>/dev/null || echo cpu)" = cpu ]; then \
 
 install: $(if $(filter cpu,$(BACKEND)),native-libs) $(STAMP)
 
-# One backend: every backend's wheel ships mlx/lib/libmlx.so, so the others are removed first.
+# One backend: every backend's wheel ships mlx/lib/libmlx.so, so where another is installed, every one is
+# removed (removing one deletes the library file the other may have left there) and the chosen one reinstalled.
 $(STAMP): pyproject.toml
 	@case " $(BACKENDS) " in *" $(BACKEND) "*) ;; *) echo "GPU=$(GPU): choose cuda, cuda12, cuda13 or cpu"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@others=$$(for d in mlx-cpu mlx-cuda-12 mlx-cuda-13; do $(PY) -m pip show -q $$d >/dev/null 2>&1 && echo $$d; done); \
+	@present=$$(for d in mlx-cpu mlx-cuda-12 mlx-cuda-13; do $(PY) -m pip show -q $$d >/dev/null 2>&1 && echo $$d; done); \
 	  keep=$$(case $(BACKEND) in cpu) echo mlx-cpu;; cuda12) echo mlx-cuda-12;; *) echo mlx-cuda-13;; esac); \
-	  others=$$(echo $$others | tr ' ' '\n' | grep -vx "$$keep" || true); \
-	  if [ -n "$$others" ]; then echo "removing the other MLX backend: $$others"; $(PY) -m pip uninstall -q -y $$others; fi
+	  if [ -n "$$(echo $$present | tr ' ' '\n' | grep -vx "$$keep")" ]; then \
+	    echo "removing the MLX backends installed ($$(echo $$present)) for $$keep"; $(PY) -m pip uninstall -q -y $$present; fi
 	$(PY) -m pip install -q -e '.[$(BACKEND),dev,ray]'
 	@rm -f $(VENV)/.installed $(VENV)/.installed-*; echo $(BACKEND) > $(VENV)/.backend; touch $(STAMP)
 

@@ -40,11 +40,12 @@ def uses_cuda(backends: Optional[Sequence[str]] = None) -> bool:
     return any(b in CUDA_BACKENDS for b in backends)
 
 
-def _libmlx_present() -> bool:
-    """A libmlx.so in MLX's package (a backend wheel's, or a source build's)."""
+def _libmlx_present() -> Optional[bool]:
+    """A libmlx.so in MLX's package (a backend wheel's, or a source build's); None: no MLX at all."""
     spec = importlib.util.find_spec("mlx")
-    places = list(spec.submodule_search_locations or []) if spec is not None else []
-    return any((Path(p) / "lib" / "libmlx.so").exists() for p in places)
+    if spec is None:
+        return None
+    return any((Path(p) / "lib" / "libmlx.so").exists() for p in spec.submodule_search_locations or [])
 
 
 def backend_problem(
@@ -59,7 +60,12 @@ def backend_problem(
             f"two MLX backends are installed ({', '.join(backends)}), and each overwrote the other's "
             f"mlx/lib/libmlx.so: uninstall them (pip uninstall {' '.join(backends)}), then {HOW_TO_INSTALL}"
         )
-    if not backends and not (_libmlx_present() if libmlx is None else libmlx):
+    if backends:
+        return None
+    present = _libmlx_present() if libmlx is None else libmlx
+    if present is None:
+        return f"MLX is not installed: {HOW_TO_INSTALL}"
+    if not present:
         return f"MLX is installed without a backend (no mlx/lib/libmlx.so): {HOW_TO_INSTALL}"
     return None
 
