@@ -17,8 +17,8 @@
 All of this is read when the process starts, so the CLI re-executes itself
 once with LD_PRELOAD set to those libraries that exist and are not preloaded
 yet, and with the OpenBLAS setting unless the user set it. Any of it missing
-only costs speed. With MLX's CUDA backend none of it applies (MLX runs no
-BLAS on the CPU there), so nothing is preloaded or set.
+only costs speed. With MLX's CUDA backend none of it applies (the model runs
+on the GPU, not on the CPU's BLAS and malloc), so nothing is preloaded or set.
 """
 
 import os
