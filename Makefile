@@ -1,33 +1,49 @@
 # MTPLX: set-up, demo, tests and benchmark.
 #
+# MLX's backend: the CPU by default; `make install GPU=cuda` (CUDA 13; GPU=cuda12 for CUDA 12) installs
+# the CUDA one instead. Later targets keep the venv's backend ($(VENV)/.backend); GPU=cpu goes back.
+#
 # On Linux, mlx[cpu] ships a reference BLAS that is ~15x slower than OpenBLAS,
 # and its CPU backend mallocs and frees every buffer, which glibc's malloc does
-# slowly; so `install` adds Debian's libopenblas0-pthread and libjemalloc2
-# (when apt-get is there) and every target that runs MLX preloads those of
-# them that exist.
+# slowly; so installing the CPU backend adds Debian's libopenblas0-pthread and
+# libjemalloc2 (when apt-get is there) and every target that runs MLX on it
+# preloads those of them that exist. On CUDA neither is installed or preloaded.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 JEMALLOC := /usr/lib/x86_64-linux-gnu/libjemalloc.so.2
-STAMP := $(VENV)/.installed
-LINTED := mtplx pipeline tests jobs
+GPU ?=
+BACKEND := $(if $(GPU),$(GPU),$(shell cat $(VENV)/.backend 2>/dev/null || echo cpu))
+BACKENDS := cpu cuda cuda12 cuda13
+STAMP := $(VENV)/.installed-$(BACKEND)
+LINTED := mtplx pipeline tests jobs scripts
+OUT ?= gpu-check
 # Runs its argument with OpenBLAS and jemalloc preloaded where they exist (Linux), plainly elsewhere,
-# and OpenBLAS's idle threads sleeping after ~0.4 ms instead of spinning ~0.1 s (pipeline/preload.py).
-MLXENV = P=""; for l in $(OPENBLAS) $(JEMALLOC); do if [ -e $$l ]; then P="$$P $$l"; fi; done; \
+# and OpenBLAS's idle threads sleeping after ~0.4 ms instead of spinning ~0.1 s (pipeline/preload.py);
+# nothing of it when the venv's MLX runs on CUDA.
+MLXENV = if [ "$$(cat $(VENV)/.backend 2>/dev/null || echo cpu)" = cpu ]; then \
+  P=""; for l in $(OPENBLAS) $(JEMALLOC); do if [ -e $$l ]; then P="$$P $$l"; fi; done; \
   if [ -n "$$P" ]; then export LD_PRELOAD="$$P"; fi; \
-  export OPENBLAS_THREAD_TIMEOUT=$${OPENBLAS_THREAD_TIMEOUT:-20};
+  export OPENBLAS_THREAD_TIMEOUT=$${OPENBLAS_THREAD_TIMEOUT:-20}; fi;
 
-.PHONY: install run lint format test test-all bench clean native-libs
+.PHONY: install run lint format test test-all test-gpu gpu-check gpu-receive gpu-check-dry gpu-wheels bench clean native-libs
 
-install: native-libs $(STAMP)
+install: $(if $(filter cpu,$(BACKEND)),native-libs) $(STAMP)
 
+# One backend: every backend's wheel ships mlx/lib/libmlx.so, so where another is installed, every one is
+# removed (removing one deletes the library file the other may have left there) and the chosen one reinstalled.
 $(STAMP): pyproject.toml
+	@case " $(BACKENDS) " in *" $(BACKEND) "*) ;; *) echo "GPU=$(GPU): choose cuda, cuda12, cuda13 or cpu"; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,ray]'
-	@touch $(STAMP)
+	@present=$$(for d in mlx-cpu mlx-cuda-12 mlx-cuda-13; do $(PY) -m pip show -q $$d >/dev/null 2>&1 && echo $$d; done); \
+	  keep=$$(case $(BACKEND) in cpu) echo mlx-cpu;; cuda12) echo mlx-cuda-12;; *) echo mlx-cuda-13;; esac); \
+	  if [ -n "$$(echo $$present | tr ' ' '\n' | grep -vx "$$keep")" ]; then \
+	    echo "removing the MLX backends installed ($$(echo $$present)) for $$keep"; $(PY) -m pip uninstall -q -y $$present; fi
+	$(PY) -m pip install -q -e '.[$(BACKEND),dev,ray]'
+	@rm -f $(VENV)/.installed $(VENV)/.installed-*; echo $(BACKEND) > $(VENV)/.backend; touch $(STAMP)
 
 native-libs:
 	@if [ "$$(uname -s)" = Linux ]; then \
@@ -63,6 +79,29 @@ test: install lint
 
 test-all: install
 	$(MLXENV) $(PY) -m pytest -q tests
+
+# The exactness tests (marked `gpu`) on the GPU device; each skips, saying why, where MLX has none.
+test-gpu: install
+	$(MLXENV) $(PY) -m pytest -q -rs -m gpu --gpu tests
+
+# On the GPU machine, with no network and its own python3: install the CUDA backend from the wheels
+# `make gpu-wheels` put in .gpu/, run the GPU tests, widen the built-in model to real sizes and run
+# `mtplx bench` on them in bfloat16; JSON, tables and a log under OUT. docs/gpu.md has the device-tool recipe
+# (two calls: `gpu-receive` carries the first part of the wheels). ARGS: e.g. --seconds 400.
+GPU_PY ?= python3
+gpu-check:
+	PY=$(GPU_PY) bash scripts/gpu_check.sh $(OUT) $(ARGS)
+
+gpu-receive:
+	PY=$(GPU_PY) bash scripts/gpu_check.sh $(OUT) --receive
+
+# The same script here, as far as it goes without a GPU: no install, tiny shapes, the default device.
+gpu-check-dry: install
+	PY=$(PY) bash scripts/gpu_check.sh $(OUT) --dry-run $(ARGS)
+
+# Here, with pip's network: the cp312 manylinux wheels the GPU machine lacks, split for its 64 MiB carry limit.
+gpu-wheels: install
+	PY=$(PY) bash scripts/gpu_wheels.sh
 
 bench: install
 	$(MLXENV) $(VENV)/bin/mtplx bench --output bench.json

@@ -2,7 +2,11 @@
 
 Exports load lazily, so that `import mtplx` stays cheap and never pulls in pyarrow or the CLI."""
 
+from mtplx.install_check import check_mlx_backend
+
 __version__ = "0.1.0"
+
+check_mlx_backend()  # on Linux, one line naming the extras rather than MLX's "cannot open libmlx.so"
 
 _EXPORTS = {
     "load": "mtplx.models.loader",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Callable, Dict
 
@@ -21,6 +22,31 @@ from mtplx.models.tokenizer_files import write_char_tokenizer
 from mtplx.models.widen import SHAPES, widen, widened_config  # noqa: F401  (a model of real size with a trained model's function)
 
 FAMILIES: Dict[str, Callable] = {}
+
+# Where greedy output may leave mlx-lm's greedy decoding: only at a near-tie of the reference, a top-2 logit gap
+# small enough for the device's float differences to flip (README, "Exactness"). On the CPU (float32), below
+# CPU_TIE_GAP: batch-shape noise, the CPU weight layout, chunk-wise prefill. On a GPU, within one bfloat16 step
+# of the larger logit: TF32 matmuls (MLX_ENABLE_TF32 is on by default), fused kernels and reductions whose order
+# depends on the shape.
+CPU_TIE_GAP = 1e-4
+_BF16_MANTISSA_BITS = 7  # bits after the leading one
+
+
+def bf16_step(x: float) -> float:
+    """The spacing of bfloat16 numbers at |x|."""
+    x = abs(float(x))
+    if x < 2.0**-126:
+        return 2.0 ** (-126 - _BF16_MANTISSA_BITS)  # subnormals
+    return 2.0 ** (math.floor(math.log2(x)) - _BF16_MANTISSA_BITS)
+
+
+def near_tie(gap: float, top: float, gpu: bool) -> bool:
+    """Whether a reference top-2 gap (`top` the larger logit) is one that the device may flip."""
+    return gap <= bf16_step(top) if gpu else gap < CPU_TIE_GAP
+
+
+def tie_rule(gpu: bool) -> str:
+    return "a top-2 gap within one bfloat16 step of the larger logit" if gpu else f"a top-2 gap below {CPU_TIE_GAP}"
 
 
 def tiny_checkpoint(family: str, path, *, seed: int = 0, num_shards: int = 2, **config_overrides) -> Path:

@@ -16,7 +16,14 @@ from pathlib import Path
 import click
 
 from .errors import EXIT_BAD_JOB, EXIT_CRASH, JobError
-from .preload import reexec_with_preloads
+
+try:
+    import mtplx  # noqa: F401  (first, so that an MLX install without a backend is one line, not a traceback)
+except ImportError as e:
+    click.echo(f"mtplx: {e}", err=True)
+    sys.exit(EXIT_BAD_JOB)
+
+from .preload import reexec_with_preloads  # noqa: E402
 
 
 class DepthType(click.ParamType):

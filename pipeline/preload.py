@@ -17,11 +17,15 @@
 All of this is read when the process starts, so the CLI re-executes itself
 once with LD_PRELOAD set to those libraries that exist and are not preloaded
 yet, and with the OpenBLAS setting unless the user set it. Any of it missing
-only costs speed.
+only costs speed. With MLX's CUDA backend none of it applies (the model runs
+on the GPU, not on the CPU's BLAS and malloc), so nothing is preloaded or set.
 """
 
 import os
 import sys
+from typing import Optional
+
+from mtplx.install_check import uses_cuda
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -45,9 +49,12 @@ def missing_preloads(preload: str) -> list:
     return [lib for lib, names in _ALREADY.items() if os.path.exists(lib) and not any(n in preload for n in names)]
 
 
-def with_preloads(env: dict) -> dict:
+def with_preloads(env: dict, cuda: Optional[bool] = None) -> dict:
     """`env` with the missing libraries put first in LD_PRELOAD and the
-    native settings it lacks added (the user's own values stay)."""
+    native settings it lacks added (the user's own values stay); unchanged
+    when MLX runs on CUDA (`cuda`: default, whether its backend is installed)."""
+    if uses_cuda() if cuda is None else cuda:
+        return env
     preload = env.get("LD_PRELOAD", "")
     missing = missing_preloads(preload)
     if missing:

@@ -18,6 +18,35 @@ from pipeline.preload import with_preloads
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--gpu",
+        action="store_true",
+        help="run on MLX's GPU device (`make test-gpu -m gpu`); every test skips where MLX has none. "
+        "Without it the suite runs on the CPU device, whichever backend is installed.",
+    )
+
+
+def pytest_configure(config):
+    import mlx.core as mx
+
+    gpu = config.getoption("--gpu") and mx.is_available(mx.gpu)
+    mx.set_default_device(mx.gpu if gpu else mx.cpu)
+
+
+def pytest_collection_modifyitems(config, items):
+    import mlx.core as mx
+
+    if not config.getoption("--gpu") or mx.is_available(mx.gpu):
+        return
+    from mtplx.install_check import installed_backends
+
+    backends = ", ".join(installed_backends()) or "none installed"
+    skip = pytest.mark.skip(reason=f"--gpu: MLX has no GPU device here (backend: {backends})")
+    for item in items:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A random tiny qwen3_5 checkpoint (with MTP head) in the HF layout."""

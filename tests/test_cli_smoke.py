@@ -30,6 +30,7 @@ def test_preloads_put_missing_openblas_and_jemalloc_first_and_keep_the_users(mon
     from pipeline import preload
 
     monkeypatch.setattr(preload.sys, "platform", "linux")
+    monkeypatch.setattr(preload, "uses_cuda", lambda: False)
     monkeypatch.setattr(preload.os.path, "exists", lambda p: p in (preload.OPENBLAS, preload.JEMALLOC))
     env = preload.with_preloads({"LD_PRELOAD": "/opt/mine.so"})
     assert env["LD_PRELOAD"] == f"{preload.OPENBLAS} {preload.JEMALLOC} /opt/mine.so"
@@ -45,7 +46,20 @@ def test_preloads_set_the_openblas_thread_timeout_unless_the_user_did(monkeypatc
     from pipeline import preload
 
     monkeypatch.setattr(preload.sys, "platform", "linux")
+    monkeypatch.setattr(preload, "uses_cuda", lambda: False)
     assert preload.with_preloads({})["OPENBLAS_THREAD_TIMEOUT"] == "20"
     assert preload.with_preloads({"OPENBLAS_THREAD_TIMEOUT": "28"})["OPENBLAS_THREAD_TIMEOUT"] == "28"
     monkeypatch.setattr(preload.sys, "platform", "darwin")  # Accelerate, not OpenBLAS
+    assert preload.with_preloads({}) == {}
+
+
+def test_with_mlxs_cuda_backend_nothing_is_preloaded_or_set(monkeypatch):
+    from pipeline import preload
+
+    monkeypatch.setattr(preload.sys, "platform", "linux")
+    monkeypatch.setattr(preload.os.path, "exists", lambda p: True)  # OpenBLAS and jemalloc are there
+    assert preload.with_preloads({}, cuda=False)["LD_PRELOAD"]  # the premise: the CPU backend would take them
+    assert preload.with_preloads({}, cuda=True) == {}
+    assert preload.with_preloads({"LD_PRELOAD": "/opt/mine.so"}, cuda=True) == {"LD_PRELOAD": "/opt/mine.so"}
+    monkeypatch.setattr(preload, "uses_cuda", lambda: True)
     assert preload.with_preloads({}) == {}

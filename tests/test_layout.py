@@ -1,7 +1,8 @@
 """The package layout's import rules: imports run one way,
 pipeline -> mtplx's public API -> runtime/autodepth -> decode -> models -> backends,
 with no cycle, and only `mtplx.backends` reaches the CPU backend's forms.
-Imports inside functions count as edges."""
+`mtplx.install_check`, which imports nothing of the project, may be imported
+from anywhere. Imports inside functions count as edges."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ ALLOWED = {
     "training": {"training", "bench", "api", "autodepth", "decode", "models", "testing"},
     "pipeline": {"pipeline", "api"},
     "assets": set(),
+    "install": set(),
 }
 # The commands' entry points, which the pipeline's CLI may import beside the public API.
 ENTRY_POINTS = {
@@ -40,6 +42,8 @@ def concern(module: str) -> str:
         return "pipeline"
     if module == "mtplx.assets":  # package data: the built-in model's path
         return "assets"
+    if module == "mtplx.install_check":  # which MLX backend is installed, read before anything imports MLX
+        return "install"
     if module in API:
         return "api"
     if module == "mtplx.testing":
@@ -88,7 +92,7 @@ def forbidden_edges(graph: Dict[str, Iterable[str]]) -> List[Tuple[str, str]]:
                 bad.append((src, dst))
             elif concern(src) == "pipeline" and dst in ENTRY_POINTS:
                 continue
-            elif concern(dst) not in ALLOWED[concern(src)] | {"assets"}:
+            elif concern(dst) not in ALLOWED[concern(src)] | {"assets", "install"}:
                 bad.append((src, dst))
     return sorted(bad)
 

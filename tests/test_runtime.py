@@ -4,6 +4,7 @@ metrics, reproducibility. fp32 tiny checkpoints in the real HF layouts."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from exactness import assert_same_up_to_ties
 from model_helpers import make_predictable, mlx_lm_greedy
 
 import mtplx
@@ -13,7 +14,6 @@ from mtplx.decode.sampling import SamplingParams
 from mtplx.testing import tiny_checkpoint
 
 VOCAB = 48
-TIE_GAP = 1e-4
 RUNTIME_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"]
 
 
@@ -31,23 +31,7 @@ def _prompts(n, seed=0, lengths=(3, 7, 12, 5, 9, 4, 6, 11)):
     return [[int(x) for x in rng.integers(1, VOCAB, size=lengths[i % len(lengths)])] for i in range(n)]
 
 
-def top2_gap(model, tokens):
-    logits = model.trunk(mx.array([tokens]))[0, -1]
-    top = mx.sort(logits)[-2:]
-    return float(top[1] - top[0])
-
-
-def assert_same_up_to_ties(model, prompt, got, ref, ties):
-    """Token-for-token equality, except a divergence at a near-tie of the reference."""
-    for j, (g, r) in enumerate(zip(got, ref)):
-        if g != r:
-            gap = top2_gap(model, prompt + ref[:j])
-            assert gap < TIE_GAP, f"diverged at {j}: got {g}, mlx-lm {r}, top-2 gap {gap:.2e}"
-            ties.append((j, gap))
-            return
-    assert len(got) == len(ref), f"lengths differ: {len(got)} vs {len(ref)}"
-
-
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", RUNTIME_FAMILIES)
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_greedy_speculative_equals_mlx_lm_greedy(models, family, depth):

@@ -89,6 +89,7 @@ def _tables(toks, exact):
     }
 
 
+@pytest.mark.gpu
 def test_target_is_neither_one_hot_nor_uniform(exact):
     p01 = exact.sum(axis=2)
     top = np.sort(p01.ravel())[::-1]
@@ -96,6 +97,7 @@ def test_target_is_neither_one_hot_nor_uniform(exact):
     assert np.count_nonzero(p01 > 0.01) >= 6
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("rule", ["residual", "coupled"])
 def test_sampled_tokens_follow_the_exact_target(samples, exact, rule):
     toks, accepted = samples[rule]
@@ -117,6 +119,7 @@ def _planted(probs):
     return p
 
 
+@pytest.mark.gpu
 def test_same_test_rejects_a_planted_one_percent_tv_error(samples, exact):
     toks, _ = samples["residual"]
     counts, probs = _tables(toks, exact)["t1,t2"]
@@ -140,6 +143,7 @@ def fresh_traces():
     forget_traces()
 
 
+@pytest.mark.gpu
 def test_same_test_rejects_a_broken_acceptance_rule(model, exact, monkeypatch, fresh_traces):
     # The classic bug: the correction drawn from the target instead of the residual.
     monkeypatch.setattr(sampling, "residual_distribution", lambda target, draft, mask=None: target)

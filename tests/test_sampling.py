@@ -163,6 +163,7 @@ def passes(stat: float, df: int) -> bool:
     return stat <= chi2_threshold(PER_TEST_ALPHA, df)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("rule", RULES)
 def test_every_emitted_position_and_the_first_joint_follow_the_target(rule, k):
@@ -189,6 +190,7 @@ def planted(p: np.ndarray, to: str) -> np.ndarray:
     return p
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("rule", RULES)
 def test_same_test_detects_a_planted_one_percent_tv_error(rule, k):
@@ -242,6 +244,7 @@ WRONG_RULES = {
 }
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("bug", list(WRONG_RULES))
 def test_same_test_detects_a_deliberately_wrong_rule(bug, monkeypatch):
     rule, name, wrong = WRONG_RULES[bug]

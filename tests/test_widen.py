@@ -134,3 +134,18 @@ def test_named_shapes_widen_the_built_in_model_to_the_releases_sizes(
     ours = attention_rows(text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"])
     assert abs(ours / attention_rows(heads, kv_heads, 256) - 1) < 0.01  # the same attention weight bytes a layer
     assert text["num_attention_heads"] == 2 * text["num_key_value_heads"]  # the source's ratio: its heads keep their KV
+
+
+def test_widen_writes_bfloat16_weights_that_give_the_float32_widenings_logits_within_bf16_rounding(tmp_path, models):
+    from mtplx.models.checkpoint import read_header, shard_files
+
+    _, wide32 = models
+    path = widen(mtplx.default_model_path(), tmp_path / "bf16", **SHAPE, dtype=mx.bfloat16)
+    dtypes = {t["dtype"] for f in shard_files(path) for t in read_header(f).values()}
+    assert dtypes == {"BF16"}
+    assert json.loads((path / "config.json").read_text()) == json.loads((wide32.path / "config.json").read_text())
+    wide16 = mtplx.load(path)
+    tokens = mx.array([wide16.tokenizer.encode("def fibonacci(n):\n    ")])
+    a, b = wide32.trunk(tokens).astype(mx.float32), wide16.trunk(tokens).astype(mx.float32)
+    assert wide16.trunk(tokens).dtype == mx.bfloat16
+    assert float(mx.max(mx.abs(a - b)) / mx.max(mx.abs(a))) < 0.05  # the same weights, rounded to 8 bits

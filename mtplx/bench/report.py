@@ -154,11 +154,18 @@ def _describe(h: dict) -> List[str]:
         f"clipped to {p.get('max_prompt_tokens') or 'no'} tokens; max_tokens {h['max_tokens']}; "
         f"repeats {s['repeats']}{_rounds(s)}; seed {s['seed']}",
         f"machine: {m['processor']}, {m['cpu_count']} CPUs, {m['platform']}",
+        f"device: {_device(h.get('device'))}",
         "versions: "
         + ", ".join(f"{k} {val}" for k, val in v.items())
         + f"; BLAS: {h['blas']['name']}{_thread_timeout(h['blas'])}; malloc: {h.get('allocator', '-')}",
         "",
     ]
+
+
+def _device(d: Optional[dict]) -> str:
+    if not d:
+        return "-"  # older records
+    return f"{d.get('device_name', '?')} (MLX {d.get('mlx_device', '?')})"
 
 
 def _cost_lines(rows: Sequence[dict]) -> List[str]:

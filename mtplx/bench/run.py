@@ -602,6 +602,7 @@ def header_record(model_path: Path, plan: BenchPlan, num_prompts: int, prompt_so
         "engine": "header",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(),
+        "device": device_info(),
         "versions": versions(),
         "blas": blas_in_use(),
         "allocator": allocator_in_use(),
@@ -636,6 +637,18 @@ def machine_info() -> dict:
     }
     if hasattr(os, "getloadavg"):  # the machine is shared: how busy it was matters
         info["loadavg_at_start"] = list(os.getloadavg())
+    return info
+
+
+def device_info() -> dict:
+    """The device MLX ran on, named (a GPU's model: its figures mean nothing without it)."""
+    import mlx.core as mx
+
+    info = {"mlx_device": str(mx.default_device())}
+    try:
+        info.update({k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))})
+    except (AttributeError, RuntimeError):  # an MLX without device_info
+        pass
     return info
 
 

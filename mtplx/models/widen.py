@@ -61,18 +61,20 @@ def widen(
     vocab_size: Optional[int] = None,
     seed: int = 0,
     num_shards: int = 4,
+    dtype: Optional[mx.Dtype] = None,
 ) -> Path:
     """Write to `dst` a widened copy of the Qwen3.5 checkpoint `src` (module docstring).
     Head counts default to the source's scaled by hidden / source hidden; key heads follow
     from the source's ratios. `vocab_size`: pad the embedding and output layer to this many rows;
     the config records the tokenizer's vocabulary (`tokenizer_vocab_size`) and the decoder cuts the
-    padded logits off before sampling."""
+    padded logits off before sampling. `dtype`: the written weights' type (e.g. mx.bfloat16, as releases
+    ship); default the source's. Each layer is cast as it is made, so float32 copies never pile up."""
     src, dst = Path(src), Path(dst)
     config, shape = _plan(src, hidden, layers, intermediate, num_attention_heads, linear_num_value_heads, vocab_size)
     tensors = load_tensors(shard_files(src), lambda name: True)
     if any("conv1d.weight" in k and v.shape[-1] == 1 for k, v in tensors.items()):
         raise CheckpointError(f"{src} is in the MLX layout; widen takes the release (HF) layout")
-    out = _Widener(shape, mx.random.key(seed)).checkpoint(tensors)
+    out = _Widener(shape, mx.random.key(seed), dtype).checkpoint(tensors)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():  # tokenizer, generation config, the acceptance record
         if (
@@ -157,8 +159,18 @@ class _Shape:
 
 
 class _Widener:
-    def __init__(self, shape: _Shape, key):
-        self.s, self.key = shape, key
+    def __init__(self, shape: _Shape, key, dtype: Optional[mx.Dtype] = None):
+        self.s, self.key, self.dtype = shape, key, dtype
+
+    def done(self, tensors: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """`tensors` in the output dtype, computed now: a widened model's float32 intermediates are the
+        model's size again, so they are freed a layer at a time."""
+        if self.dtype is not None:
+            tensors = {
+                k: v.astype(self.dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in tensors.items()
+            }
+        mx.eval(list(tensors.values()))
+        return tensors
 
     def random(self, shape) -> mx.array:
         self.key, k = mx.random.split(self.key)
@@ -171,9 +183,10 @@ class _Widener:
         rows = rows or (R, np.arange(R))
         cols = cols or (C, np.arange(C))
         shape = (rows[0], cols[0])
-        out = np.array(self.random(shape)) if fill == "random" else np.zeros(shape, dtype=np.float32)
-        out[np.ix_(rows[1], cols[1])] = np.array(w.astype(mx.float32))
-        return mx.array(out).astype(w.dtype)
+        out = self.random(shape) if fill == "random" else mx.zeros(shape, dtype=mx.float32)
+        # a scatter on the device: no host copies of matrices the size of a real model's
+        out[mx.array(rows[1])[:, None], mx.array(cols[1])[None, :]] = w.astype(mx.float32)
+        return out.astype(w.dtype)
 
     def hidden_cols(self):
         return (self.s.H2, np.arange(self.s.H))
@@ -192,19 +205,21 @@ class _Widener:
         if "lm_head.weight" in t:
             out["lm_head.weight"] = self.grow(t["lm_head.weight"], rows=ids, cols=self.hidden_cols())
         out[TRUNK + "norm.weight"] = self.norm(t[TRUNK + "norm.weight"])
+        out = self.done(out)
         for i in range(s.L2):
             prefix = f"{TRUNK}layers.{i}."
             old = {k[len(prefix) :]: v for k, v in t.items() if k.startswith(prefix)} if i < s.L else None
-            out.update({prefix + k: v for k, v in self.layer(old, s.is_linear(i)).items()})
+            out.update(self.done({prefix + k: v for k, v in self.layer(old, s.is_linear(i)).items()}))
         head = {k[len("mtp.layers.0.") :]: v for k, v in t.items() if k.startswith("mtp.layers.0.")}
         if head:
-            out.update({"mtp.layers.0." + k: v for k, v in self.layer(head, False).items()})
+            mtp = {"mtp.layers.0." + k: v for k, v in self.layer(head, False).items()}
             for k in _HEAD_NORMS:
-                out[k] = self.norm(t[k])
+                mtp[k] = self.norm(t[k])
             fc = t["mtp.fc.weight"]  # [H, 2H]: the embedding's half, then the hidden state's
             where = np.concatenate([np.arange(s.H), s.H2 + np.arange(s.H)])
             grown = self.grow(fc, rows=self.hidden_cols(), cols=(2 * s.H2, where))
-            out["mtp.fc.weight"] = mx.concatenate([grown[: s.H], mx.zeros((s.H2 - s.H, 2 * s.H2), dtype=fc.dtype)])
+            mtp["mtp.fc.weight"] = mx.concatenate([grown[: s.H], mx.zeros((s.H2 - s.H, 2 * s.H2), dtype=fc.dtype)])
+            out.update(self.done(mtp))
         return out
 
     def layer(self, old: Optional[Dict[str, mx.array]], linear: bool) -> Dict[str, mx.array]:
