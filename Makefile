@@ -28,7 +28,7 @@ MLXENV = if [ "$$(cat $(VENV)/.backend 2>/dev/null || echo cpu)" = cpu ]; then \
   if [ -n "$$P" ]; then export LD_PRELOAD="$$P"; fi; \
   export OPENBLAS_THREAD_TIMEOUT=$${OPENBLAS_THREAD_TIMEOUT:-20}; fi;
 
-.PHONY: install run lint format test test-all test-gpu gpu-check gpu-receive gpu-check-dry gpu-wheels bench clean native-libs
+.PHONY: install run lint format test test-all test-gpu gpu-check gpu-receive gpu-check-dry gpu-wheels bench bench-scale clean native-libs
 
 install: $(if $(filter cpu,$(BACKEND)),native-libs) $(STAMP)
 
@@ -105,6 +105,17 @@ gpu-wheels: install
 
 bench: install
 	$(MLXENV) $(VENV)/bin/mtplx bench --output bench.json
+
+# The regime users run in: the built-in model widened to Qwen3.5-0.8B's shape and vocabulary (float32, ~3.7 GB,
+# written once under .cache/), against mlx-lm on the same checkpoint. Settings sized for two cores
+# (docs/scale.md); BENCH_SCALE_ARGS adds or overrides flags, e.g. BENCH_SCALE_ARGS="--draft-vocab 0".
+SCALE_SHAPE ?= qwen3.5-0.8b
+BENCH_SCALE_ARGS ?=
+bench-scale: install
+	$(MLXENV) M=$$($(PY) -m mtplx.bench.scale $(SCALE_SHAPE) --cache .cache) && \
+	  $(VENV)/bin/mtplx bench --model $$M --batch-sizes 1,4,16,64 --depths 0,1,2,3,auto --temperatures 0,1 \
+	    --max-tokens 16 --prompts 1,4,16,64 --rounds 2 --bare-rounds 4,1 --draft-vocab 32768 \
+	    --output bench-scale.json $(BENCH_SCALE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

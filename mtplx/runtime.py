@@ -5,6 +5,7 @@ from __future__ import annotations
 from mtplx.autodepth import calibration
 from mtplx.decode.contract import MTPContract
 from mtplx.decode.depth import FixedDepth
+from mtplx.decode.prepare import drafting_model
 from mtplx.decode.requests import Completion, Request
 from mtplx.decode.runtime import BatchRuntime, check_runtime_args
 
@@ -24,4 +25,5 @@ class MTPLXRuntime(BatchRuntime):
 
     def __init__(self, model, contract: MTPContract = MTPContract(), max_batch: int = 8, policy=None):
         check_runtime_args(model, contract, max_batch)
+        model = drafting_model(model, contract)  # calibration times the head the runtime drafts with
         super().__init__(model, contract, max_batch, policy or depth_policy(model, contract, max_batch))

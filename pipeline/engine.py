@@ -149,6 +149,7 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled
         contract = mtplx.MTPContract(
             depth=spec.model.depth,
             acceptance=spec.model.acceptance,
+            draft_vocab=spec.model.draft_vocab,
             prefill_chunk=sizing.prefill_chunk,
             sampled_depth=sampled_depth if spec.model.depth == "auto" else None,
         )

@@ -9,7 +9,11 @@ from pathlib import Path
 
 import click
 
-from mtplx.bench.run import QUICK  # the make-bench settings: the command's defaults (no MLX import)
+from mtplx.bench.run import (
+    BARE_COST_ROUNDS_BETWEEN,
+    BARE_COST_ROUNDS_FIRST,
+    QUICK,
+)  # the make-bench settings: the command's defaults (no MLX import)
 
 
 def _fail(message: str):
@@ -160,6 +164,27 @@ def _listed(values) -> str:
     help="Keep each prompt's last N tokens.",
 )
 @click.option(
+    "--draft-vocab",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="MTPLX's head scores only this many token ids (MTPContract.draft_vocab); 0 scores them all.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(1),
+    default=None,
+    help="Rounds at every batch size, overriding --repeats' rule (for a large model, whose runs take long).",
+)
+@click.option(
+    "--bare-rounds",
+    callback=_csv(int),
+    default=f"{BARE_COST_ROUNDS_FIRST},{BARE_COST_ROUNDS_BETWEEN}",
+    show_default=True,
+    help="Rounds of the bare passes' timing (step, verifies, head) before a batch size's runs, then between "
+    "its rounds; fewer for a large model, whose passes take long.",
+)
+@click.option(
     "--repeats",
     type=int,
     default=QUICK["repeats"],
@@ -188,6 +213,9 @@ def bench_cmd(
     max_tokens,
     num_prompts,
     max_prompt_tokens,
+    draft_vocab,
+    bare_rounds,
+    rounds,
     repeats,
     seed,
     output,
@@ -221,6 +249,9 @@ def bench_cmd(
             seed=seed,
             progress=not quiet,
             max_prompt_tokens=max_prompt_tokens,
+            draft_vocab=draft_vocab,
+            bare_rounds=tuple(bare_rounds),
+            rounds=rounds,
         )
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))

@@ -33,6 +33,7 @@ class ModelSpec:
     path: Optional[str] = None  # None: the built-in default model
     depth: Union[int, str] = 2  # draft tokens per cycle, 0 = plain decoding, or "auto"
     acceptance: str = "residual"
+    draft_vocab: int = 0  # the head scores this many ids in merge order (MTPContract.draft_vocab); 0 = all
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ class JobSpec:
         for k in ("batch", "output", "name", "engine", "ray"):
             d.pop(k)
         d["model"].pop("path")
+        if not d["model"]["draft_vocab"]:  # the default leaves the identity of jobs from before the setting
+            d["model"].pop("draft_vocab")
         for k in ("path", "dataset"):
             d["input"].pop(k)
         d["input"]["id_column"] = d["input"].get("id_column") or None  # "" and unset both key rows by index
@@ -290,6 +293,7 @@ SECTIONS: Dict[str, Tuple[type, Dict[str, Tuple[str, Checker]]]] = {
             "path": ("path", _model_path),
             "depth": ("depth", _depth),
             "acceptance": ("acceptance", _choice(*ACCEPTANCE_RULES)),
+            "draft_vocab": ("draft_vocab", _int(0)),
         },
     ),
     "input": (

@@ -672,6 +672,11 @@ def test_tiny_run_mtplx_records_follow_the_schema_and_formulas(tiny_records):
             )
         if r["depth"] == "auto":
             assert r["best_fixed_depth"] != "auto" and r["auto_vs_best"] > 0
+        else:  # the cycle's time split: bare verify, k head passes, and the rest
+            t = r["cycle_time"]
+            assert t["verify_s"] == (c["step_s"] if k == 0 else c["verify_s"][str(k)])
+            assert t["heads_s"] == pytest.approx(k * c["head_s"])
+            assert t["cycle_s"] == pytest.approx(t["verify_s"] + t["heads_s"] + t["rest_s"]) and t["cycle_s"] > 0
 
 
 def _round_decode_speedups(records, r):
@@ -708,6 +713,9 @@ def test_table_has_a_line_for_every_record_and_the_bare_costs(tiny_records):
             for line in lines
         ), (r, table)
     assert "bare costs" in table and "mlx-lm" in table
+    fixed = [r for r in tiny_records[1:] if r["engine"] == "mtplx" and r["depth"] != "auto"]
+    cycle_lines = [line for line in lines if "verify " in line and "heads " in line and "rest " in line]
+    assert "one cycle (ms, share)" in table and len(cycle_lines) == len(fixed)
     assert "requirements (median [90% confidence interval of it]):" in table and "depth 0 >= 0.95 of mlx-lm" in table
 
 
@@ -869,3 +877,63 @@ def test_the_bench_takes_the_held_out_prompts_of_a_source_checkout():
 
     repo = Path(__file__).resolve().parents[1]
     assert bench.REPO_PROMPTS == repo / "jobs" / "data" / "prompts.parquet" and bench.REPO_PROMPTS.is_file()
+
+
+def test_fixed_rounds_replace_the_short_run_rule_and_bad_round_counts_are_refused():
+    plan = BenchPlan((1, 64), (0,), (0.0,), 8, None, 5, 0, fixed_rounds=2)
+    assert [plan.rounds(B) for B in (1, 64)] == [2, 2]
+    for bad in (dict(fixed_rounds=0), dict(bare_rounds=(0, 1)), dict(bare_rounds=(3,)), dict(draft_vocab=-1)):
+        with pytest.raises(ValueError):
+            BenchPlan((1,), (0,), (0.0,), 8, None, 1, 0, **bad)
+
+
+def test_flags_set_the_draft_vocabulary_the_rounds_and_the_bare_rounds():
+    args = ["--output", "x.json", "--draft-vocab", "16", "--rounds", "2", "--bare-rounds", "3,1"]
+    s = settings_from_args(parse_args(args))
+    assert (s["draft_vocab"], s["rounds"], s["bare_rounds"]) == (16, 2, (3, 1))
+
+
+def test_a_run_with_a_draft_vocabulary_records_it_and_times_the_head_it_drafts_with(tiny_model, monkeypatch):
+    from mtplx.autodepth import costs
+
+    heads = []
+    sampler_init = costs.BareCostSampler.__init__
+
+    def spy(self, model, *args, **kwargs):
+        heads.append(model.draft_ids)
+        sampler_init(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(costs.BareCostSampler, "__init__", spy)
+    records = bench.run_bench(
+        tiny_model,
+        batch_sizes=(2,),
+        depths=(0, 2),
+        temperatures=(0.0,),
+        max_tokens=4,
+        prompts=[[3, 4, 5], [6, 7, 8, 9, 10]],
+        progress=False,
+        draft_vocab=16,
+        rounds=1,
+        bare_rounds=(1, 1),
+    )
+    header = records[0]["settings"]
+    assert (header["draft_vocab"], header["rounds_by_batch_size"], header["bare_rounds"]) == (16, {"2": 1}, [1, 1])
+    assert heads and all(ids is not None and ids.shape[0] < 64 for ids in heads)
+    assert {r["depth"] for r in records[1:] if r["engine"] == "mtplx"} == {0, 2}
+
+
+def test_the_widened_bench_checkpoint_is_written_once_and_again_when_its_shape_changes(tmp_path, monkeypatch):
+    import mtplx
+    from mtplx.bench import scale
+
+    monkeypatch.setitem(scale.SHAPES, "small", dict(hidden=128, layers=20, intermediate=384))
+    path = scale.widened_checkpoint("small", tmp_path)
+    assert path == tmp_path / "widened-small" and mtplx.load(path).config["text_config"]["hidden_size"] == 128
+    stamp = (path / scale.STAMP).stat().st_mtime_ns
+    assert scale.widened_checkpoint("small", tmp_path) == path
+    assert (path / scale.STAMP).stat().st_mtime_ns == stamp  # reused, not rewritten
+    monkeypatch.setitem(scale.SHAPES, "small", dict(hidden=160, layers=20, intermediate=384))
+    assert mtplx.load(scale.widened_checkpoint("small", tmp_path)).config["text_config"]["hidden_size"] == 160
+    assert not (tmp_path / "widened-small.tmp").exists()
+    with pytest.raises(ValueError, match="unknown shape"):
+        scale.widened_checkpoint("qwen9-huge", tmp_path)

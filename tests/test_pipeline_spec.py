@@ -163,3 +163,12 @@ def test_a_relative_glob_resolves_under_a_spec_directory_whose_name_holds_glob_c
     literal.write_bytes(b"")
     job.write_text('[input]\npath = "data[2024].parquet"\n[prompt]\ncolumn = "prompt"\n[output]\npath = "out"\n')
     assert load_spec(job).input.path == str(literal)
+
+
+def test_draft_vocab_is_checked_and_enters_the_identity_only_when_set():
+    plain = spec_from_dict(doc())
+    assert plain.model.draft_vocab == 0 and "draft_vocab" not in plain.identity()["model"]  # as before the setting
+    reduced = spec_from_dict(doc(model={"draft_vocab": 32768}))
+    assert reduced.model.draft_vocab == 32768 and reduced.identity() != plain.identity()  # it changes sampled rows
+    for bad in (-1, 1.5, "all"):
+        assert "draft_vocab" in error_of(doc(model={"draft_vocab": bad}))

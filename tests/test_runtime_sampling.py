@@ -7,8 +7,10 @@ cycle: drafted, accepted or corrected) are compared with the exact target,
 computed by enumerating the trunk's own probabilities:
 - the joint of (t0, t1) and of (t1, t2), 16 cells each;
 - the joint of (t0, t1, t2), 64 cells.
-False-alarm rate: 1e-3 for the whole file (Bonferroni over the 6 honest
-tests), cells expecting fewer than 5 pooled. The same statistic must reject a
+Each rule runs with the whole vocabulary and with a reduced draft vocabulary
+(the head scores ids 0..DRAFT_VOCAB-1 alone, so part of the target's support
+can only come from a rejection). False-alarm rate: 1e-3 for the whole file
+(Bonferroni over the 12 honest tests), cells expecting fewer than 5 pooled. The same statistic must reject a
 planted 1% TV error and a deliberately broken acceptance rule, so its power
 is proven, not assumed.
 """
@@ -30,7 +32,9 @@ N = 16_000
 TEMPERATURE = 1.5  # checked below: the target is neither near-one-hot nor near-uniform
 TOP_K = 4
 FAMILY_ALPHA = 1e-3
-N_HONEST = 6
+N_HONEST = 12
+DRAFT_VOCAB = 12  # of 32: checked below to leave a share of the target outside the set
+SETTINGS = [("residual", 0), ("coupled", 0), ("residual", DRAFT_VOCAB), ("coupled", DRAFT_VOCAB)]
 THRESH_ALPHA = FAMILY_ALPHA / N_HONEST
 PROMPT = [5, 9, 2, 14, 7]
 SP = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K)
@@ -61,8 +65,8 @@ def exact(model):
     return joint
 
 
-def _samples(model, rule):
-    rt = MTPLXRuntime(model, MTPContract(depth=2, acceptance=rule), max_batch=1024)
+def _samples(model, rule, draft_vocab=0):
+    rt = MTPLXRuntime(model, MTPContract(depth=2, acceptance=rule, draft_vocab=draft_vocab), max_batch=1024)
     rt.eos = set()  # keep every row to 4 tokens so each has t0, t1, t2
     outs = rt.generate([PROMPT], sampling=SP, max_tokens=4, n=N, seed=2024)
     toks = np.array([o.tokens[:3] for o in outs])
@@ -72,7 +76,7 @@ def _samples(model, rule):
 
 @pytest.fixture(scope="module")
 def samples(model):
-    return {rule: _samples(model, rule) for rule in ("residual", "coupled")}
+    return {setting: _samples(model, *setting) for setting in SETTINGS}
 
 
 def _tables(toks, exact):
@@ -98,14 +102,25 @@ def test_target_is_neither_one_hot_nor_uniform(exact):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rule", ["residual", "coupled"])
-def test_sampled_tokens_follow_the_exact_target(samples, exact, rule):
-    toks, accepted = samples[rule]
+def test_reduced_draft_vocabulary_leaves_target_mass_outside_the_set(exact, model):
+    assert DRAFT_VOCAB < model.vocab_size
+    for axis in ((1, 2), (0, 2), (0, 1)):  # t0, t1, t2
+        outside = exact.sum(axis=axis)[DRAFT_VOCAB:].sum()
+        assert 0.1 < outside < 0.9, (axis, outside)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule,draft_vocab", SETTINGS)
+def test_sampled_tokens_follow_the_exact_target(samples, exact, rule, draft_vocab):
+    toks, accepted = samples[rule, draft_vocab]
     assert accepted[0] > 0.1 * N, "the head must accept often enough to test acceptance"
     for name, (counts, probs) in _tables(toks, exact).items():
         stat, df = chisq(counts, probs)
         thr = chi2_threshold(THRESH_ALPHA, df)
-        print(f"{rule} {name}: chi2 {stat:.1f} (df {df}) threshold {thr:.1f}, accepted {accepted}")
+        print(
+            f"{rule}, draft vocabulary {draft_vocab or 'all'} {name}: "
+            f"chi2 {stat:.1f} (df {df}) threshold {thr:.1f}, accepted {accepted}"
+        )
         assert stat < thr
 
 
@@ -121,7 +136,7 @@ def _planted(probs):
 
 @pytest.mark.gpu
 def test_same_test_rejects_a_planted_one_percent_tv_error(samples, exact):
-    toks, _ = samples["residual"]
+    toks, _ = samples["residual", 0]
     counts, probs = _tables(toks, exact)["t1,t2"]
     planted = _planted(probs)
     stat, df = chisq(counts, planted)

@@ -38,6 +38,8 @@ def format_table(records: Sequence[dict]) -> str:
     for r in rows:
         lines.append("  ".join(show(r).rjust(w) for _, w, show in COLUMNS))
     lines += [""] + _cost_lines(rows)
+    cycles = _cycle_lines(rows)
+    lines += [""] + cycles if cycles else []
     checks = requirement_lines(rows)
     lines += [""] + checks if checks else []
     lines += [
@@ -193,6 +195,24 @@ def _cost_lines(rows: Sequence[dict]) -> List[str]:
                 + [_num(_ms(c["head_s"]), ".2f").rjust(7)]
             )
         )
+    return lines
+
+
+def _cycle_lines(rows: Sequence[dict]) -> List[str]:
+    """Where a cycle's time goes, per fixed-depth record (`run.cycle_time`)."""
+    timed = [r for r in rows if r.get("cycle_time")]
+    if not timed:
+        return []
+    lines = ["one cycle (ms, share): bare verify (the step at depth 0), k head passes, the rest (accept, commit, host)"]
+    lines.append("  ".join(t.rjust(w) for t, w in (("B", 4), ("temp", 5), ("depth", 5), ("cycle", 8))) + "   parts")
+    for r in timed:
+        t = r["cycle_time"]
+        parts = ", ".join(
+            f"{name} {_ms(t[key]):.1f} ({t[key] / t['cycle_s']:.0%})"
+            for name, key in (("verify", "verify_s"), ("heads", "heads_s"), ("rest", "rest_s"))
+        )
+        head = [str(r["batch_size"]).rjust(4), f"{r['temperature']:g}".rjust(5), str(r["depth"]).rjust(5)]
+        lines.append("  ".join(head + [f"{_ms(t['cycle_s']):.1f}".rjust(8)]) + "   " + parts)
     return lines
 
 

@@ -71,6 +71,9 @@ class BenchPlan:
     repeats: int
     seed: int
     max_prompt_tokens: Optional[int] = None
+    draft_vocab: int = 0  # MTPContract.draft_vocab of every MTPLX run
+    bare_rounds: Tuple[int, int] = (BARE_COST_ROUNDS_FIRST, BARE_COST_ROUNDS_BETWEEN)  # before the runs, between
+    fixed_rounds: Optional[int] = None  # rounds at every batch size, instead of `rounds`' rule
 
     def __post_init__(self):
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -93,9 +96,20 @@ class BenchPlan:
             raise ValueError(f"prompts per run must be >= 1, got {self.num_prompts}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1")
+        if min(self.bare_rounds) < 1 or len(self.bare_rounds) != 2:
+            raise ValueError(
+                f"bare_rounds must be two counts >= 1 (before the runs, between rounds), got {self.bare_rounds}"
+            )
+        if self.fixed_rounds is not None and self.fixed_rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.fixed_rounds}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
 
     def rounds(self, batch_size: int) -> int:
-        """`repeats`, times SHORT_RUN_PROMPTS // prompts per run: short runs are noisiest and cheap to repeat."""
+        """`repeats`, times SHORT_RUN_PROMPTS // prompts per run: short runs are noisiest and cheap to repeat
+        (on a small model; `fixed_rounds` sets them where a run is long)."""
+        if self.fixed_rounds is not None:
+            return self.fixed_rounds
         return self.repeats * max(1, SHORT_RUN_PROMPTS // self.prompts_per_run(batch_size))
 
     def prompts_per_run(self, batch_size: int) -> int:
@@ -147,6 +161,9 @@ def run_bench(
     seed: int = 0,
     progress: bool = True,
     max_prompt_tokens: Optional[int] = None,
+    draft_vocab: int = 0,
+    bare_rounds: Tuple[int, int] = (BARE_COST_ROUNDS_FIRST, BARE_COST_ROUNDS_BETWEEN),
+    rounds: Optional[int] = None,
 ) -> List[dict]:
     """-> a header record, then one per (engine, batch size, depth, temperature). `prompts`: strings or token
     lists (default: the held-out prompts); `max_prompt_tokens`: keep each prompt's last N tokens."""
@@ -164,6 +181,9 @@ def run_bench(
         int(repeats),
         int(seed),
         max_prompt_tokens,
+        int(draft_vocab),
+        tuple(int(r) for r in bare_rounds),
+        rounds,
     )
     log = _progress_printer(progress)
     asked = plan.depths
@@ -213,6 +233,7 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     """Every temperature x depth at batch size B (`reference`: the mlx-lm baseline's own load)."""
     from mtplx.autodepth.costs import BareCostSampler
     from mtplx.decode.contract import MTPContract
+    from mtplx.decode.prepare import drafting_model
     from mtplx.runtime import MTPLXRuntime
 
     n = plan.prompts_per_run(B)
@@ -220,11 +241,13 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     context = decode_context(batches, B, plan.max_tokens)
     max_auto = MTPContract(depth="auto").max_depth_auto
     log(f"batch {B}: bare costs at context {context}, sampled before and between rounds")
-    bare = BareCostSampler(model, B, plan.cost_depths(max_auto), context)
-    bare.sample(BARE_COST_ROUNDS_FIRST)
+    contract = partial(MTPContract, draft_vocab=plan.draft_vocab)
+    # The head as the runtimes draft with it (a reduced draft vocabulary costs less).
+    bare = BareCostSampler(drafting_model(model, contract(depth=1)), B, plan.cost_depths(max_auto), context)
+    bare.sample(plan.bare_rounds[0])
     # Built once per batch size: "auto" calibrates (times its own cycles) when built.
-    runtimes = {d: MTPLXRuntime(model, MTPContract(depth=d), max_batch=B) for d in plan.depths}
-    between = partial(bare.sample, BARE_COST_ROUNDS_BETWEEN)
+    runtimes = {d: MTPLXRuntime(model, contract(depth=d), max_batch=B) for d in plan.depths}
+    between = partial(bare.sample, plan.bare_rounds[1])
     rounds = {
         t: run_rounds(reference, runtimes, batches, B, t, plan, between_rounds=between) for t in plan.temperatures
     }
@@ -418,10 +441,25 @@ def mtplx_record(rt, depth: Depth, B: int, t: float, pairs: List[Tuple[Run, Run]
         "measured_decode_speedup": None,
         "bare_costs": costs.as_dict(),
     }
+    if depth != "auto":
+        rec["cycle_time"] = cycle_time(engine_runs, costs, rt.depth)
     if depth == "auto":
         rec["auto_choice"] = auto
         rec["cycles_by_depth"] = auto["cycles_by_depth"]
     return rec
+
+
+def cycle_time(runs: List[Run], costs, k: int) -> Optional[dict]:
+    """Where a cycle's time goes at fixed depth k: its measured seconds (decode time over cycles), the bare
+    verify over k + 1 tokens (the step at k = 0), the k head passes, and the rest (the drafts' sampling,
+    accept, commit, refill and host work beyond the bare passes)."""
+    cycles = sum(r.cycles for r in runs)
+    if not cycles:
+        return None
+    cycle_s = sum(r.seconds - r.prefill_seconds for r in runs) / cycles
+    verify_s = costs.verify_s.get(k, costs.step_s) if k else costs.step_s
+    heads_s = k * costs.head_s
+    return {"cycle_s": cycle_s, "verify_s": verify_s, "heads_s": heads_s, "rest_s": cycle_s - verify_s - heads_s}
 
 
 def _depth_mix(cycles_by_depth: Optional[Dict[str, int]], depth: int) -> Dict[int, int]:
@@ -624,6 +662,8 @@ def header_record(model_path: Path, plan: BenchPlan, num_prompts: int, prompt_so
             "seed": plan.seed,
             "warmup_tokens": min(plan.max_tokens, WARMUP_TOKENS),
             "acceptance": "residual",
+            "draft_vocab": plan.draft_vocab,
+            "bare_rounds": list(plan.bare_rounds),
         },
     }
 
@@ -793,6 +833,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="keep each prompt's last N tokens")
+    p.add_argument("--draft-vocab", type=int, default=None, help="the head scores this many ids (0: all)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds at every batch size (overrides --repeats' rule)")
+    p.add_argument("--bare-rounds", type=_ints, default=None, help="bare-cost rounds before the runs, between rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="also draw tokens/s vs batch size here (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -802,7 +845,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def settings_from_args(args: argparse.Namespace) -> dict:
     """run_bench keyword arguments: run_bench's defaults, or QUICK's, under the given flags."""
     base = dict(QUICK) if args.quick else {}
-    for name in ("batch_sizes", "depths", "temperatures", "max_tokens", "num_prompts", "repeats", "max_prompt_tokens"):
+    names = ("batch_sizes", "depths", "temperatures", "max_tokens", "num_prompts", "repeats", "max_prompt_tokens")
+    for name in (*names, "draft_vocab", "bare_rounds", "rounds"):
         value = getattr(args, name)
         if value is not None:
             base[name] = value

@@ -28,6 +28,11 @@ class MTPContract:
         False runs the same ops eagerly.
     shrink_batch: once no prompt waits, decode the remaining rows in a batch
         of the next power of two; outputs do not change.
+    draft_vocab: the head scores only this many ids (`models.draft_vocab`:
+        the output layer's first rows, the tokenizer's merge order, plus the
+        end-of-sequence ids), cutting the output layer's share of each draft.
+        Exact under both rules; acceptance falls by the target's mass outside
+        the set. 0: the whole vocabulary.
     sampled_depth: with depth "auto", the depth of cycles where a row samples
         under the residual rule, instead of calibrating it (a resumed job
         passes its first run's). None: calibration picks it.
@@ -41,6 +46,7 @@ class MTPContract:
     compile: bool = True
     shrink_batch: bool = True
     sampled_depth: Optional[int] = None
+    draft_vocab: int = 0
 
     def __post_init__(self):
         if self.depth != "auto" and not _int_in(self.depth, 0, MAX_DEPTH):
@@ -51,6 +57,8 @@ class MTPContract:
             raise ValueError(f"acceptance must be 'residual' or 'coupled', got {self.acceptance!r}")
         if self.prefill_chunk < 1 or self.prefill_batch_tokens < 1:
             raise ValueError("prefill_chunk and prefill_batch_tokens must be >= 1")
+        if not _int_in(self.draft_vocab, 0, 1 << 31):
+            raise ValueError(f"draft_vocab must be an int >= 0 (0: the whole vocabulary), got {self.draft_vocab!r}")
         if self.sampled_depth is not None:
             if self.depth != "auto":
                 raise ValueError("sampled_depth is for depth 'auto' (a fixed depth is every row's depth)")

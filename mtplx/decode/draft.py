@@ -27,13 +27,24 @@ class HeadPending(NamedTuple):
 
 class DraftChain:
     """`chain(pending, draws, sampling, head_caches, k, span)` -> drafts [B, k],
-    q [B, k, V] (None when all greedy); `span` bounds the caches' lengths."""
+    q [B, k, V] (None when all greedy); `span` bounds the caches' lengths.
+    `ids` [N]: the head scores these ids alone (`models.draft_vocab`), of a
+    vocabulary of `vocab`; None: the head's logits are over the vocabulary."""
 
-    def __init__(self, head, num_layers: int, rule: str, compiled: bool = True):
+    def __init__(
+        self,
+        head,
+        num_layers: int,
+        rule: str,
+        compiled: bool = True,
+        ids: Optional[mx.array] = None,
+        vocab: Optional[int] = None,
+    ):
         self.head = head
         self.num_layers = num_layers
         self.rule = rule
         self.compiled = compiled
+        self.ids, self.vocab = ids, vocab
         self._fns: Dict[Tuple, Callable] = {}
 
     def __call__(
@@ -84,7 +95,7 @@ class DraftChain:
         return self._fns[key]
 
     def _graph(self, k: int, greedy: bool, any_filter: bool, any_greedy: bool) -> Callable:
-        n, head, rule = self.num_layers, self.head, self.rule
+        n, head, rule, ids, vocab = self.num_layers, self.head, self.rule, self.ids, self.vocab
 
         def run(marker, cu_hidden, cu_tokens, take, keep, *rest):
             n_sampled = 0 if greedy else 6  # the cycle's draws (accept.cycle_draws) + the five sampling arrays
@@ -106,9 +117,13 @@ class DraftChain:
             drafts, qs = [], []
             for i in range(1, k + 1):
                 draws_i = None if greedy else sampled[0][:, i - 1 : i]  # [B, 1, ...]
+                if ids is not None and not greedy:
+                    logits = _on_vocab(logits, ids, vocab)  # [B, V]
                 d_i, q_i = choose_draft(
                     logits, draws_i, sampled[1:], greedy, any_filter, any_greedy, rule
                 )  # [B, 1], [B, 1, V]
+                if ids is not None and greedy:
+                    d_i = mx.take(ids, d_i)  # [B, 1]: the index in the draft vocabulary -> its id
                 drafts.append(d_i)
                 qs.append(q_i)
                 if i < k:
@@ -123,6 +138,14 @@ class DraftChain:
             return ([d] if greedy else [d, mx.concatenate(qs, axis=1)]) + kept  # [B, k], [B, k, V]
 
         return run
+
+
+def _on_vocab(logits: mx.array, ids: mx.array, vocab: int) -> mx.array:
+    """Draft-vocabulary logits [B, N] placed at their ids of [B, vocab]; every other id gets -1e30, a zero
+    probability at any temperature and under any filter, yet finite (a non-finite head means a broken row)."""
+    B, N = logits.shape
+    full = mx.full((B, vocab), -1e30, dtype=mx.float32)
+    return mx.put_along_axis(full, mx.broadcast_to(ids[None], (B, N)), logits.astype(mx.float32), axis=-1)
 
 
 def _only(cache: SlotKVCache, j: int, n: int) -> list:

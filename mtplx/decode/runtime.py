@@ -31,7 +31,7 @@ from mtplx.decode.draft import DraftChain, HeadPending
 from mtplx.decode.numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from mtplx.decode.passes import trunk_pass
 from mtplx.decode.prefill import Prefilled, prefill_by_length
-from mtplx.decode.prepare import prepare_for_decoding
+from mtplx.decode.prepare import drafting_model, prepare_for_decoding
 from mtplx.decode.requests import Completion, Request, error_completion, find_stop_string
 from mtplx.decode.sampling import (
     SamplingParams,
@@ -72,6 +72,7 @@ class BatchRuntime:
         if policy.max_depth > 0 and model.head is None:
             raise ValueError(f"{model.path}: this checkpoint has no MTP head, so it cannot draft")
         prepare_for_decoding(model)
+        model = drafting_model(model, contract)
         self.model = model
         self.contract = contract
         self.max_batch = max_batch
@@ -84,7 +85,14 @@ class BatchRuntime:
         # prefill's last-token step (at depth 0 the decode step's own trace).
         self._verify = trunk_pass(model, keep_pending=self.depth > 0, compiled=contract.compile)
         self._draft_chain = (
-            DraftChain(model.head, model.num_head_layers, contract.acceptance, compiled=contract.compile)
+            DraftChain(
+                model.head,
+                model.num_head_layers,
+                contract.acceptance,
+                compiled=contract.compile,
+                ids=model.draft_ids,
+                vocab=model.vocab_size,
+            )
             if self.depth > 0
             else None
         )

@@ -29,6 +29,9 @@ class MTPModel:
     family: FamilyAdapter
     path: Path
     info: dict = field(default_factory=dict)
+    # The ids the head's logits index, where it scores a reduced draft vocabulary (`models.draft_vocab`);
+    # None: the tokenizer's whole vocabulary, as the trunk's logits.
+    draft_ids: Optional[mx.array] = None
 
     @property
     def text_model(self):
