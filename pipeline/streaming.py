@@ -37,4 +37,11 @@ def stream_rows(rows: Iterable[PromptRow], plan: Plan, engine, writer: PartWrite
         if c.sample_index not in r.todo:
             continue  # this sample was already in the output (a partly done row)
         writer.add(completion_row(plan, r, c, scorer))
-        progress.row(len(c.tokens), sum(c.drafted_by_depth), sum(c.accepted_by_depth), c.finish_reason == "error")
+        progress.row(
+            len(c.tokens),
+            sum(c.drafted_by_depth),
+            sum(c.accepted_by_depth),
+            c.finish_reason == "error",
+            prompt_tokens=c.prompt_tokens or r.prompt_length,
+            shared=getattr(c, "shared_prefix_tokens", 0),
+        )
