@@ -27,7 +27,7 @@ def stream_rows(rows: Iterable[PromptRow], plan: Plan, engine, writer: PartWrite
             writer.add(error_row(plan, r, sample))
             progress.row(0, 0, 0, error=True)
 
-    ordered = length_ordered(rows, spec.batch.window, on_error)
+    ordered = length_ordered(rows, spec.batch.window, on_error, spec.batch.share_prefix_min)
     feed = requests(ordered, plan, engine.request_type, sampling, inflight)
     for c in engine.stream(feed, seed=spec.sampling.seed):
         r = inflight[c.index]
