@@ -85,6 +85,8 @@ def size_runtime(model, spec: JobSpec, max_memory: Optional[int]) -> Sizing:
     free -= prefixes
     # Prefill gets at most a fifth of what the weights leave.
     chunk = max(MIN_PREFILL_CHUNK, min(chunk, (max(free, 0) // 5) // max(fp.per_prefill_token, 1)))
+    # Whole multiples of 16 where the cap cut it: shared prefixes stay bit-exact (docs/design.md).
+    chunk = chunk if chunk == spec.batch.token_budget else chunk // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK
     slots = min(spec.batch.max_batch, (free - chunk * fp.per_prefill_token) // max(fp.per_slot, 1))
     if slots < 1:
         need = fp.total(1, MIN_PREFILL_CHUNK)

@@ -13,6 +13,11 @@ from mtplx.backends import CHUNKED_PREFILL_MIN
 from mtplx.decode.cache import SlotGDNCache, make_slot_caches, rounded_capacity
 from mtplx.decode.passes import StagedPass
 
+# Prompt-pass forwards start and end on multiples of this (padded): the
+# chunk-wise recurrence's chunk, the CPU prompt attention's query block and the
+# width from which prompt forms run are all 16 (backends.CHUNKED_PREFILL_MIN).
+PROMPT_ALIGN = CHUNKED_PREFILL_MIN
+
 
 @dataclass
 class RowKV:
@@ -104,16 +109,15 @@ def prompt_pass(
 
 def chunk_ranges(start: int, end: int, chunk: int) -> List[tuple]:
     """The forwards [a, b) of a prompt pass over positions start..end: cut on
-    the multiples of `chunk`, so a pass from a shared prefix computes each
-    position in the forward it meets without one. A first forward that begins
-    past a multiple of `chunk` spans at least CHUNKED_PREFILL_MIN positions
-    (padded, up to that multiple), as the forward holding it without the
-    prefix did (the prompt forms start there: docs/design.md)."""
+    the multiples of `chunk`, and each ending on a multiple of PROMPT_ALIGN
+    (padded; at least that wide) where the chunk allows. Every position then
+    meets the same forms, recurrence chunks and attention spans whatever the
+    group's longest prompt, or a shared prefix cut on PROMPT_ALIGN
+    (docs/design.md, "Shared prefixes")."""
     out, a = [], start
     while a < end:
-        b = min((a // chunk + 1) * chunk, end)
-        if not out and a % chunk and b - a < CHUNKED_PREFILL_MIN:
-            b = min((a // chunk + 1) * chunk, a + CHUNKED_PREFILL_MIN)
+        ceil = (a // chunk + 1) * chunk
+        b = min(ceil, -(-max(end, a + PROMPT_ALIGN) // PROMPT_ALIGN) * PROMPT_ALIGN)
         out.append((a, b))
         a = b
     return out

@@ -5,7 +5,7 @@ prefixes they nest in, and a bounded LRU cache of prefix states.
 A prefix of P tokens is shared by prompts that agree on their first P + 1
 tokens: its state holds P trunk entries and the P head pairs (h_t, x_{t+1}),
 the last of which reads token P. P is a multiple of `grain` (`split_grain`), so
-a prompt pass from it cuts no chunk of the chunk-wise recurrence."""
+a prompt pass from it computes each position as a pass from the start does."""
 
 from __future__ import annotations
 
@@ -13,11 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mtplx.decode.prefill import PREFILL_CALL_POSITIONS, PrefixState, prefix_state, prompt_pass
-
-# The chunk-wise gated-delta recurrence's chunk (`models.families.qwen.PREFILL_CHUNK`):
-# a prefix cut on its multiples leaves every chunk of it whole.
-RECURRENCE_CHUNK = 16
+from mtplx.decode.prefill import PREFILL_CALL_POSITIONS, PROMPT_ALIGN, PrefixState, prefix_state, prompt_pass
 
 # Bytes of prefix states kept when the caller names no bound (MTPContract.prefix_cache_bytes).
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
@@ -26,9 +22,9 @@ Key = Tuple[int, ...]  # a prefix's tokens and the one after it
 
 
 def split_grain(prefill_chunk: int) -> int:
-    """Prefix lengths are multiples of this: the recurrence's chunk where the
-    prefill's chunks are made of whole ones, else the prefill's chunk."""
-    return RECURRENCE_CHUNK if prefill_chunk % RECURRENCE_CHUNK == 0 else prefill_chunk
+    """Prefix lengths are multiples of this: PROMPT_ALIGN where the prefill's
+    chunks are made of whole ones, else the prefill's chunk."""
+    return PROMPT_ALIGN if prefill_chunk % PROMPT_ALIGN == 0 else prefill_chunk
 
 
 class PrefixCache:
