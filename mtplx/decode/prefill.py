@@ -9,13 +9,13 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from mtplx.backends import CHUNKED_PREFILL_MIN
+from mtplx.backends import CHUNKED_PREFILL_MIN, prompt_align
 from mtplx.decode.cache import SlotGDNCache, make_slot_caches, rounded_capacity
 from mtplx.decode.passes import StagedPass
 
-# Prompt-pass forwards start and end on multiples of this (padded): the
-# chunk-wise recurrence's chunk, the CPU prompt attention's query block and the
-# width from which prompt forms run are all 16 (backends.CHUNKED_PREFILL_MIN).
+# Shared prefixes end on multiples of this: the chunk-wise recurrence's chunk,
+# the CPU prompt attention's query block and the width from which prompt forms
+# run are all 16 (backends.CHUNKED_PREFILL_MIN, backends.prompt_align).
 PROMPT_ALIGN = CHUNKED_PREFILL_MIN
 
 
@@ -82,7 +82,7 @@ def prompt_pass(
     P0 = 0 if start is None else start.length
     prefix = [len(p) - 1 for p in prompts]
     L = max(prefix)
-    ranges = chunk_ranges(P0, L, chunk)
+    ranges = chunk_ranges(P0, L, chunk, prompt_align(model))
     L_pad = ranges[-1][1] if ranges else L
     # Padded with the row's own last token: a non-finite pad would poison the
     # row (0 x NaN), and this token would have anyway.
@@ -107,17 +107,17 @@ def prompt_pass(
     return _PromptPass(cache, head_cache, L, len(prompts))
 
 
-def chunk_ranges(start: int, end: int, chunk: int) -> List[tuple]:
+def chunk_ranges(start: int, end: int, chunk: int, align: int = PROMPT_ALIGN) -> List[tuple]:
     """The forwards [a, b) of a prompt pass over positions start..end: cut on
-    the multiples of `chunk`, and each ending on a multiple of PROMPT_ALIGN
-    (padded; at least that wide) where the chunk allows. Every position then
-    meets the same forms, recurrence chunks and attention spans whatever the
-    group's longest prompt, or a shared prefix cut on PROMPT_ALIGN
-    (docs/design.md, "Shared prefixes")."""
+    the multiples of `chunk`, and each ending on a multiple of `align` (padded;
+    at least that wide) where the chunk allows. With the CPU's float32 forms
+    (`backends.prompt_align`) every position then meets the same forms,
+    recurrence chunks and attention spans whatever the group's longest prompt,
+    or a shared prefix cut on PROMPT_ALIGN (docs/design.md, "Shared prefixes")."""
     out, a = [], start
     while a < end:
         ceil = (a // chunk + 1) * chunk
-        b = min(ceil, -(-max(end, a + PROMPT_ALIGN) // PROMPT_ALIGN) * PROMPT_ALIGN)
+        b = min(ceil, -(-max(end, a + align) // align) * align)
         out.append((a, b))
         a = b
     return out
