@@ -47,9 +47,8 @@ class PrefixState:
     the token after it, which its last head pair reads (`decode.prefix`)."""
 
     tokens: tuple
-    trunk: (
-        list  # per trunk layer: (keys [1, H, P, Dk], values [1, H, P, Dv]) or (conv [1, K-1, C], state [1, Hv, Dv, Dk])
-    )
+    # Per trunk layer: (keys [1, H, P, Dk], values [1, H, P, Dv]), or (conv [1, K-1, C], state [1, Hv, Dv, Dk]).
+    trunk: list
     head: Optional[list]  # per head layer: (keys [1, H, P, Dk], values [1, H, P, Dv]); None without head pairs
 
     @property
