@@ -138,7 +138,8 @@ def prefix_state(p: _PromptPass, tokens: List[int]) -> PrefixState:
     P = len(tokens) - 1
 
     def kv(c):
-        return c.keys[:, :, :P], c.values[:, :, :P]  # [1, H, P, D]
+        # Copies: a slice would keep the cache's whole buffer, past the bytes the prefix cache counts.
+        return mx.contiguous(c.keys[:, :, :P]), mx.contiguous(c.values[:, :, :P])  # [1, H, P, D]
 
     trunk = [kv(c) if hasattr(c, "offset") else (c[0], c[1]) for c in p.cache]
     head = None if p.head_cache is None else [kv(c) for c in p.head_cache]
