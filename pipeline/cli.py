@@ -57,6 +57,14 @@ class MemoryType(click.ParamType):
 
 def _run_options(f):
     f = click.option(
+        "--share-prefix-min",
+        type=click.IntRange(0),
+        default=None,
+        help="Prompts that begin with the same N or more tokens (a system prompt, few-shot examples) "
+        "prefill them once and copy the state; outputs do not change. 0 turns it off "
+        "[default: the spec's [batch] share_prefix_min, else 64].",
+    )(f)
+    f = click.option(
         "--max-memory",
         type=MemoryType(),
         default=None,
@@ -186,7 +194,21 @@ def cli():
     "advertising the mlx resource, else one per node]; with --engine ray.",
 )
 @_run_options
-def run_cmd(job, model, output, engine, address, actors, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory):
+def run_cmd(
+    job,
+    model,
+    output,
+    engine,
+    address,
+    actors,
+    overwrite,
+    retry_errors,
+    dry_run,
+    quiet,
+    logprobs,
+    max_memory,
+    share_prefix_min,
+):
     """Run the job spec JOB (TOML).
 
     Rows are written to part-NNNNN.parquet files in the spec's [output] path,
@@ -206,7 +228,7 @@ def run_cmd(job, model, output, engine, address, actors, overwrite, retry_errors
     if output:
         spec = replace(spec, output=replace(spec.output, path=str(Path(output).expanduser())))
     spec = _with_engine(spec, engine, address, actors)
-    _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory)
+    _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory, share_prefix_min)
 
 
 def _with_engine(spec, engine, address, actors):
@@ -334,6 +356,7 @@ def generate_cmd(
     quiet,
     logprobs,
     max_memory,
+    share_prefix_min,
 ):
     """Complete every prompt of a Parquet input: a job from flags, run by the
     same engine as `mtplx run` (same output, resume and exit codes).
@@ -345,7 +368,7 @@ def generate_cmd(
         [--max-tokens N] [-n|--n N] [--temperature T] [--top-p P] [--top-k K]
         [--min-p P] [--seed S] [--stop TEXT ...] [--flush-rows N]
         [--overwrite | --retry-errors] [--dry-run] [--quiet] [--logprobs]
-        [--max-memory SIZE]
+        [--max-memory SIZE] [--share-prefix-min N]
     """
     from .spec import spec_from_dict
 
@@ -367,7 +390,7 @@ def generate_cmd(
         doc["input"]["id_column"] = id_column
     spec = spec_from_dict(doc)
     try:
-        _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory)
+        _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory, share_prefix_min)
     except JobError as e:
         if defaulted and id_column and str(e).startswith(f"id column {id_column!r}") and "--id-column" not in str(e):
             raise JobError(
@@ -403,7 +426,7 @@ def _check_resume_flags(overwrite: bool, retry_errors: bool) -> None:
         raise JobError("--overwrite and --retry-errors do not go together: --overwrite starts over and runs every row")
 
 
-def _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory):
+def _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory, share_prefix_min=None):
     from .runner import RunOptions, run_job
 
     opts = RunOptions(
@@ -413,6 +436,7 @@ def _execute(spec, overwrite, retry_errors, dry_run, quiet, logprobs, max_memory
         quiet=quiet,
         logprobs=logprobs,
         max_memory=max_memory,
+        share_prefix_min=share_prefix_min,
     )
     log = (lambda line: None) if quiet else (lambda line: click.echo(line, err=True))
     click.get_current_context().meta[OUTPUT_DIR] = Path(spec.output.path)

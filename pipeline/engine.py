@@ -151,6 +151,8 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled
             acceptance=spec.model.acceptance,
             draft_vocab=spec.model.draft_vocab,
             prefill_chunk=sizing.prefill_chunk,
+            share_prefix_min=spec.batch.share_prefix_min,
+            prefix_cache_bytes=sizing.prefix_cache_bytes,
             sampled_depth=sampled_depth if spec.model.depth == "auto" else None,
         )
         runtime = mtplx.MTPLXRuntime(model, contract=contract, max_batch=sizing.max_batch)
@@ -168,6 +170,8 @@ def open_engine(ref: ModelRef, spec: JobSpec, max_memory: Optional[int], sampled
         "depth": getattr(runtime, "depth", spec.model.depth),
         "max_batch": sizing.max_batch,
         "prefill_chunk": sizing.prefill_chunk,
+        "share_prefix_min": spec.batch.share_prefix_min,
+        "prefix_cache_bytes": sizing.prefix_cache_bytes,
         "estimated_memory_bytes": sizing.estimated_bytes,
     }
     return Engine(model.tokenizer, model.max_context, Request, runtime, settings)

@@ -3,8 +3,10 @@
 This is an estimate from the checkpoint's config and file sizes, not a
 measurement: weights + per-slot caches (attention KV for up to
 PROMPT_ALLOWANCE prompt tokens plus max_tokens, gated-delta state, draft and
-verify activations) + one prefill chunk's activations. Prompts longer than
-the allowance still run, and may then exceed the cap.
+verify activations) + one prefill chunk's activations + the cache of shared
+prefix states (a tenth of what the weights leave; without a cap the runtime's
+own bound, 1 GiB: mtplx.decode.prefix.DEFAULT_PREFIX_CACHE_BYTES). Prompts
+longer than the allowance still run, and may then exceed the cap.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .spec import JobSpec
 PROMPT_ALLOWANCE = 4096  # prompt tokens a slot is sized for
 DEFAULT_PREFILL_CHUNK = 512
 MIN_PREFILL_CHUNK = 16
+PREFIX_CACHE_SHARE = 10  # the shared prefix cache gets 1/this of what the weights leave
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -26,6 +29,7 @@ class Sizing:
     max_batch: int
     prefill_chunk: int
     estimated_bytes: int
+    prefix_cache_bytes: Optional[int] = None  # None: the runtime's default bound
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,12 @@ def size_runtime(model, spec: JobSpec, max_memory: Optional[int]) -> Sizing:
         slots = spec.batch.max_batch
         return Sizing(slots, chunk, fp.total(slots, chunk))
     free = max_memory - fp.weights - fp.prefill_fixed
+    prefixes = max(free, 0) // PREFIX_CACHE_SHARE
+    free -= prefixes
     # Prefill gets at most a fifth of what the weights leave.
     chunk = max(MIN_PREFILL_CHUNK, min(chunk, (max(free, 0) // 5) // max(fp.per_prefill_token, 1)))
+    # Whole multiples of 16 where the cap cut it: shared prefixes stay bit-exact (docs/design.md).
+    chunk = chunk if chunk == spec.batch.token_budget else chunk // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK
     slots = min(spec.batch.max_batch, (free - chunk * fp.per_prefill_token) // max(fp.per_slot, 1))
     if slots < 1:
         need = fp.total(1, MIN_PREFILL_CHUNK)
@@ -86,7 +94,7 @@ def size_runtime(model, spec: JobSpec, max_memory: Optional[int]) -> Sizing:
             f"--max-memory {_gb(max_memory)} is too small for this model: its weights ({_gb(fp.weights)}) and one "
             f"decode slot need about {_gb(need)}"
         )
-    return Sizing(int(slots), int(chunk), fp.total(int(slots), int(chunk)))
+    return Sizing(int(slots), int(chunk), fp.total(int(slots), int(chunk)) + prefixes, int(prefixes))
 
 
 def _gb(n: int) -> str:

@@ -25,6 +25,7 @@ RESULT_FIELDS = [
     pa.field("acceptance_rate", pa.float64()),
     pa.field("mean_accepted_length", pa.float64()),
     pa.field("decode_steps", pa.int32()),
+    pa.field("shared_prefix_tokens", pa.int32()),  # prompt tokens taken from a prefix prefilled once
 ]
 RENDERED_PROMPT = "rendered_prompt"
 

@@ -1,5 +1,6 @@
-"""The progress bar: rows done, completion tokens per second and the running
-acceptance rate; silent under --quiet."""
+"""The progress bar: rows done, completion tokens per second, the running
+acceptance rate and the share of prompt tokens taken from a shared prefix;
+silent under --quiet."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ class Progress:
         self.tokens = 0
         self.drafted = 0
         self.accepted = 0
+        self.prompt_tokens = 0
+        self.shared_prefix_tokens = 0
         self._last_postfix = 0.0
         self.bar = tqdm(
             total=total,
@@ -29,8 +32,12 @@ class Progress:
             desc=initial_note or None,
         )
 
-    def row(self, tokens: int, drafted: int, accepted: int, error: bool) -> None:
+    def row(
+        self, tokens: int, drafted: int, accepted: int, error: bool, prompt_tokens: int = 0, shared: int = 0
+    ) -> None:
         self.rows += 1
+        self.prompt_tokens += prompt_tokens
+        self.shared_prefix_tokens += shared
         self.errors += int(error)
         self.tokens += tokens
         self.drafted += drafted
@@ -44,7 +51,10 @@ class Progress:
     def postfix(self, now: float) -> str:
         elapsed = max(now - self.start, 1e-9)
         acc = f"{self.accepted / self.drafted:.2f}" if self.drafted else "-"
-        return f"{self.tokens / elapsed:.0f} tok/s, acc {acc}, errors {self.errors}"
+        out = f"{self.tokens / elapsed:.0f} tok/s, acc {acc}, errors {self.errors}"
+        if self.shared_prefix_tokens:
+            out += f", shared prefix {self.shared_prefix_tokens / max(self.prompt_tokens, 1):.0%}"
+        return out
 
     def close(self) -> None:
         # The postfix is refreshed at most twice a second: the bar's last

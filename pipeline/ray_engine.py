@@ -186,6 +186,8 @@ class _RunTally:
         p.tokens += t.tokens
         p.drafted += t.drafted
         p.accepted += t.accepted
+        p.prompt_tokens += t.prompt_tokens
+        p.shared_prefix_tokens += t.shared_prefix_tokens
         p.bar.update(t.rows)
         p.bar.set_postfix_str(p.postfix(time.monotonic()), refresh=False)
 

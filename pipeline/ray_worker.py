@@ -33,7 +33,14 @@ from .summary import peak_memory
 from .writer import PartWriter
 
 # Runtime counters that add up across shards and actors.
-SUMMABLE_STATS = ("prefill_tokens", "decode_tokens", "prefill_seconds", "decode_seconds", "cycles")
+SUMMABLE_STATS = (
+    "prefill_tokens",
+    "shared_prefix_tokens",
+    "decode_tokens",
+    "prefill_seconds",
+    "decode_seconds",
+    "cycles",
+)
 
 
 @dataclass
@@ -45,9 +52,15 @@ class ShardTally:
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    prompt_tokens: int = 0
+    shared_prefix_tokens: int = 0
 
-    def row(self, tokens: int, drafted: int, accepted: int, error: bool) -> None:
+    def row(
+        self, tokens: int, drafted: int, accepted: int, error: bool, prompt_tokens: int = 0, shared: int = 0
+    ) -> None:
         self.rows += 1
+        self.prompt_tokens += prompt_tokens
+        self.shared_prefix_tokens += shared
         self.errors += int(error)
         self.tokens += tokens
         self.drafted += drafted

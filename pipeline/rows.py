@@ -36,6 +36,7 @@ def completion_row(plan: Plan, row: PromptRow, c, scorer: Optional[Scorer]) -> d
         acceptance_rate=c.acceptance_rate,
         mean_accepted_length=c.mean_accepted_length,
         decode_steps=c.steps,
+        shared_prefix_tokens=getattr(c, "shared_prefix_tokens", 0),
     )
     if plan.logprobs:
         out["logprobs"] = None if c.logprobs is None else list(c.logprobs)
@@ -61,6 +62,7 @@ def error_row(plan: Plan, row: PromptRow, sample_index: int) -> dict:
         acceptance_rate=None,
         mean_accepted_length=None,
         decode_steps=0,
+        shared_prefix_tokens=0,
     )
     if plan.logprobs:
         out["logprobs"] = None

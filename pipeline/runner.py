@@ -57,6 +57,7 @@ class RunOptions:
     quiet: bool = False
     logprobs: bool = False  # on top of [generation] logprobs
     max_memory: Optional[int] = None  # overrides [batch] max_memory
+    share_prefix_min: Optional[int] = None  # overrides [batch] share_prefix_min
 
 
 def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
@@ -65,6 +66,8 @@ def prepare(spec: JobSpec, opts: RunOptions) -> Prepared:
         spec = replace(spec, generation=replace(spec.generation, logprobs=True))
     if opts.max_memory is not None:
         spec = replace(spec, batch=replace(spec.batch, max_memory=opts.max_memory))
+    if opts.share_prefix_min is not None:
+        spec = replace(spec, batch=replace(spec.batch, share_prefix_min=opts.share_prefix_min))
     ref = resolve_model(spec.model.path)
     _check_max_tokens(spec, max_context_of(read_config(ref.path)))
     source = open_input(spec.input, exclude=Path(spec.output.path))  # parts under the input are not input

@@ -86,6 +86,7 @@ class BatchSpec:
     max_memory: Optional[int] = None  # bytes
     window: int = 1024  # prompts sorted by length together
     read_rows: int = 1024  # rows per Parquet record batch
+    share_prefix_min: int = 64  # prompts sharing this many leading tokens prefill them once; 0: off
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,7 @@ SECTIONS: Dict[str, Tuple[type, Dict[str, Tuple[str, Checker]]]] = {
             "max_memory": ("max_memory", parse_memory),
             "window": ("window", _int(1)),
             "read_rows": ("read_rows", _int(1)),
+            "share_prefix_min": ("share_prefix_min", _int(0)),
         },
     ),
     "output": (

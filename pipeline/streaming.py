@@ -27,7 +27,7 @@ def stream_rows(rows: Iterable[PromptRow], plan: Plan, engine, writer: PartWrite
             writer.add(error_row(plan, r, sample))
             progress.row(0, 0, 0, error=True)
 
-    ordered = length_ordered(rows, spec.batch.window, on_error)
+    ordered = length_ordered(rows, spec.batch.window, on_error, spec.batch.share_prefix_min)
     feed = requests(ordered, plan, engine.request_type, sampling, inflight)
     for c in engine.stream(feed, seed=spec.sampling.seed):
         r = inflight[c.index]
@@ -37,4 +37,11 @@ def stream_rows(rows: Iterable[PromptRow], plan: Plan, engine, writer: PartWrite
         if c.sample_index not in r.todo:
             continue  # this sample was already in the output (a partly done row)
         writer.add(completion_row(plan, r, c, scorer))
-        progress.row(len(c.tokens), sum(c.drafted_by_depth), sum(c.accepted_by_depth), c.finish_reason == "error")
+        progress.row(
+            len(c.tokens),
+            sum(c.drafted_by_depth),
+            sum(c.accepted_by_depth),
+            c.finish_reason == "error",
+            prompt_tokens=c.prompt_tokens or r.prompt_length,
+            shared=getattr(c, "shared_prefix_tokens", 0),
+        )

@@ -29,6 +29,7 @@ METRIC_COLUMNS = (
     "accepted_by_depth",
     "mean_accepted_length",
     "decode_steps",
+    "shared_prefix_tokens",
 )
 
 
@@ -41,6 +42,7 @@ class Totals:
     undecoded_prompt_tokens: int = 0  # of rows with an error and no decode step (an over-long prompt, ...)
     completion_tokens: int = 0
     decode_steps: int = 0
+    shared_prefix_tokens: int = 0  # prompt tokens rows took from a prefix prefilled once
     cycle_tokens: float = 0.0  # tokens emitted by verify cycles
     drafted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -60,6 +62,8 @@ class Totals:
         prompts = t.column("prompt_tokens").to_numpy(zero_copy_only=False).astype(np.float64)
         self.undecoded_prompt_tokens += int(np.nansum(np.where(failed & ~(steps > 0), prompts, 0.0)))
         self.decode_steps += int(np.nansum(steps))
+        if "shared_prefix_tokens" in t.column_names:  # parts written before the column existed lack it
+            self.shared_prefix_tokens += _sum(t.column("shared_prefix_tokens"))
         mal = t.column("mean_accepted_length").to_numpy(zero_copy_only=False).astype(np.float64)
         self.cycle_tokens += float(np.nansum(np.where(steps > 0, mal * steps, 0.0)))
         self.drafted = _add_by_position(self.drafted, t.column("drafted_by_depth"))
@@ -87,6 +91,7 @@ class Totals:
             "finish_reasons": dict(sorted(self.finish_reasons.items())),
             "prompt_tokens": self.prompt_tokens,
             "undecoded_prompt_tokens": self.undecoded_prompt_tokens,
+            "shared_prefix_tokens": self.shared_prefix_tokens,
             "completion_tokens": self.completion_tokens,
             "decode_steps": self.decode_steps,
             "acceptance_by_depth": by_depth,
@@ -170,6 +175,8 @@ def throughput(stats: dict, wall: float, rows_this_run: int, completion_tokens_t
         "wall_seconds": wall,
         "rows_this_run": rows_this_run,
         "completion_tokens_this_run": completion_tokens_this_run,
+        # Prompt tokens this run computed: a shared prefix counts once (shared_prefix_tokens: per row).
+        "prefill_tokens": stats.get("prefill_tokens", 0),
         "rows_per_second": rate(rows_this_run, wall),
         "completion_tokens_per_second": rate(completion_tokens_this_run, wall),
         "prefill_tokens_per_second": rate(stats.get("prefill_tokens", 0), stats.get("prefill_seconds", 0.0)),
@@ -239,6 +246,11 @@ def format_summary(s: dict) -> str:
         + (f" ({undecoded} of them in rows that failed before decoding)" if undecoded else "")
         + f", completion {s.get('completion_tokens', 0)}, decode steps {s.get('decode_steps', 0)}"
     )
+    if s.get("shared_prefix_tokens"):
+        lines.append(
+            f"shared prefixes: {s['shared_prefix_tokens']} prompt tokens taken from a prefix prefilled once"
+            + (f"; {s['prefill_tokens']} prompt tokens prefilled in the last run" if "prefill_tokens" in s else "")
+        )
     if "wall_seconds" in s:
         lines.append(
             f"last run: {_num(s.get('wall_seconds'), '.1f')} s wall, {s.get('rows_this_run')} rows, "

@@ -11,7 +11,7 @@ from conftest import REPO, invoke
 from pipeline.runner import RunOptions, run_job
 from pipeline.spec import load_spec
 
-JOBS = ["nightly", "synthesize", "evaluate"]
+JOBS = ["nightly", "synthesize", "evaluate", "fewshot"]
 
 
 @pytest.mark.parametrize("name", JOBS)

@@ -19,6 +19,7 @@ RESULT_COLUMNS = [
     "acceptance_rate",
     "mean_accepted_length",
     "decode_steps",
+    "shared_prefix_tokens",
 ]
 SUMMARY_FIELDS = [
     "rows",
@@ -27,6 +28,8 @@ SUMMARY_FIELDS = [
     "completion_tokens",
     "wall_seconds",
     "prefill_tokens_per_second",
+    "prefill_tokens",
+    "shared_prefix_tokens",
     "decode_tokens_per_second",
     "acceptance_by_depth",
     "mean_accepted_length",

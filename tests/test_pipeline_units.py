@@ -78,6 +78,20 @@ def test_packer_sorts_by_length_within_each_window_and_passes_errors_on():
     assert [r.ordinal for r in errors] == [7]
 
 
+def test_packer_brings_prompts_with_a_common_head_together_at_their_shortest_length():
+    def row(ordinal, tokens):
+        r = prow(ordinal, 0)
+        r.tokens = tokens
+        return r
+
+    a, b = [7] * 8, [9] * 8  # two shared heads of 8 tokens
+    rows = [row(0, a + [1] * 9), row(1, b + [2]), row(2, [3] * 5), row(3, a + [4]), row(4, b + [5] * 20), row(5, [6])]
+    out = [r.ordinal for r in length_ordered(iter(rows), 10, lambda r: None, share_prefix_min=8)]
+    # Without sharing: by length alone, the two heads' rows interleave.
+    assert [r.ordinal for r in length_ordered(iter(rows), 10, lambda r: None)] == [5, 2, 1, 3, 0, 4]
+    assert out == [5, 2, 1, 4, 3, 0]  # b's group at length 9, a's at 9 too (later in input), each by length
+
+
 def test_packer_pulls_no_more_than_one_window_ahead():
     pulled = []
 

@@ -25,6 +25,7 @@ __all__ = [
     "probabilities_exp",
     "causal_conv",
     "chunked_prefill",
+    "prompt_align",
     "pass_stages",
     "CycleThreads",
     "blas_info",
@@ -101,6 +102,13 @@ def causal_conv(gdn, conv_input: mx.array, S: int) -> mx.array:
 def chunked_prefill(x: mx.array) -> bool:
     """Whether a gated-delta layer runs prompt chunk x [B, S, H] chunk-wise (else the layer's own forward)."""
     return on_cpu() and x.dtype == mx.float32 and x.shape[1] >= CHUNKED_PREFILL_MIN
+
+
+def prompt_align(model) -> int:
+    """Positions a prompt pass's forwards start and end on (padded), so that a row computes what it would alone:
+    CHUNKED_PREFILL_MIN where the CPU's float32 prompt forms run (their recurrence chunks and attention blocks
+    are that long), else 1 (mlx-lm's forms, over the prompt as mlx-lm feeds it)."""
+    return CHUNKED_PREFILL_MIN if on_cpu() and activations.activation_dtype(model) == mx.float32 else 1
 
 
 def pass_stages(model):

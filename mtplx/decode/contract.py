@@ -36,6 +36,11 @@ class MTPContract:
     sampled_depth: with depth "auto", the depth of cycles where a row samples
         under the residual rule, instead of calibrating it (a resumed job
         passes its first run's). None: calibration picks it.
+    share_prefix_min: prompts sharing a prefix of at least this many tokens
+        prefill it once (docs/design.md, "Shared prefixes"); 0 turns sharing
+        off. Outputs do not change.
+    prefix_cache_bytes: bound of the LRU cache of shared prefix states;
+        None: `decode.prefix.DEFAULT_PREFIX_CACHE_BYTES` (1 GiB).
     """
 
     depth: Depth = 1
@@ -47,6 +52,8 @@ class MTPContract:
     shrink_batch: bool = True
     sampled_depth: Optional[int] = None
     draft_vocab: int = 0
+    share_prefix_min: int = 64
+    prefix_cache_bytes: Optional[int] = None
 
     def __post_init__(self):
         if self.depth != "auto" and not _int_in(self.depth, 0, MAX_DEPTH):
@@ -59,6 +66,10 @@ class MTPContract:
             raise ValueError("prefill_chunk and prefill_batch_tokens must be >= 1")
         if not _int_in(self.draft_vocab, 0, 1 << 31):
             raise ValueError(f"draft_vocab must be an int >= 0 (0: the whole vocabulary), got {self.draft_vocab!r}")
+        if not _int_in(self.share_prefix_min, 0, 1 << 62):
+            raise ValueError(f"share_prefix_min must be an int >= 0 (0: no sharing), got {self.share_prefix_min!r}")
+        if self.prefix_cache_bytes is not None and not _int_in(self.prefix_cache_bytes, 0, 1 << 62):
+            raise ValueError(f"prefix_cache_bytes must be an int >= 0 or None, got {self.prefix_cache_bytes!r}")
         if self.sampled_depth is not None:
             if self.depth != "auto":
                 raise ValueError("sampled_depth is for depth 'auto' (a fixed depth is every row's depth)")

@@ -9,8 +9,14 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from mtplx.backends import CHUNKED_PREFILL_MIN, prompt_align
 from mtplx.decode.cache import SlotGDNCache, make_slot_caches, rounded_capacity
 from mtplx.decode.passes import StagedPass
+
+# Shared prefixes end on multiples of this: the chunk-wise recurrence's chunk,
+# the CPU prompt attention's query block and the width from which prompt forms
+# run are all 16 (backends.CHUNKED_PREFILL_MIN, backends.prompt_align).
+PROMPT_ALIGN = CHUNKED_PREFILL_MIN
 
 
 @dataclass
@@ -35,6 +41,27 @@ class Prefilled:
 
 
 @dataclass
+class PrefixState:
+    """The caches a prompt pass leaves after a shared prefix: `length` trunk
+    entries and as many head pairs (h_t, x_{t+1}); `tokens` are the prefix and
+    the token after it, which its last head pair reads (`decode.prefix`)."""
+
+    tokens: tuple
+    # Per trunk layer: (keys [1, H, P, Dk], values [1, H, P, Dv]), or (conv [1, K-1, C], state [1, Hv, Dv, Dk]).
+    trunk: list
+    head: Optional[list]  # per head layer: (keys [1, H, P, Dk], values [1, H, P, Dv]); None without head pairs
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [a for pair in self.trunk + (self.head or []) for a in pair]
+        return sum(a.nbytes for a in arrays)
+
+
+@dataclass
 class _PromptPass:
     """One group's prompt pass over every prompt but its last token."""
 
@@ -44,29 +71,79 @@ class _PromptPass:
     rows: int
 
 
-def prompt_pass(model, prompts: List[List[int]], chunk: int, with_head: bool) -> _PromptPass:
+def prompt_pass(
+    model, prompts: List[List[int]], chunk: int, with_head: bool, start: Optional[PrefixState] = None
+) -> _PromptPass:
     """The trunk over each prompt but its last token, in chunks, and the head
-    over the prompt's pairs, right-padded together."""
+    over the prompt's pairs, right-padded together. From `start` (a prefix
+    every prompt begins with, and its next token too), only the positions
+    after it: forwards still end on multiples of `chunk`, as without it."""
+    P0 = 0 if start is None else start.length
     prefix = [len(p) - 1 for p in prompts]
     L = max(prefix)
+    ranges = chunk_ranges(P0, L, chunk, prompt_align(model))
+    L_pad = ranges[-1][1] if ranges else L
     # Padded with the row's own last token: a non-finite pad would poison the
     # row (0 x NaN), and this token would have anyway.
-    tokens = mx.array([p + p[-1:] * (L - n) for p, n in zip(prompts, prefix)], dtype=mx.int32)  # [B, L+1]
+    tokens = mx.array([p + p[-1:] * (L_pad - n) for p, n in zip(prompts, prefix)], dtype=mx.int32)  # [B, L_pad+1]
     cache = model.make_cache()
+    head_cache = model.make_head_cache() if with_head else None
+    if start is not None:
+        _seed(cache, start.trunk, len(prompts), P0)
+        if head_cache is not None:
+            _seed(head_cache, start.head, len(prompts), P0)
     for c in cache:
         if hasattr(c, "lengths"):  # gated-delta: freeze past each row's prefix
-            c.lengths = mx.array(prefix, dtype=mx.int32)  # one per layer: each counts it down
-    head_cache = model.make_head_cache() if with_head else None
-    for start in range(0, L, chunk):
-        T = min(chunk, L - start)
+            c.lengths = mx.array([n - P0 for n in prefix], dtype=mx.int32)  # one per layer: each counts it down
+    for a, b in ranges:
         # Only caches are read from this pass, so its logits are never computed.
-        _, hidden = model.forward(tokens[:, start : start + T], cache)  # [B, T, H]
+        _, hidden = model.forward(tokens[:, a:b], cache)  # [B, b-a, H]
         if with_head:
             # Pairs (h_t, x_{t+1}): each prefix position's next token is in the prompt.
             for j in range(model.num_head_layers):
-                model.head(hidden, tokens[:, start + 1 : start + T + 1], cache=head_cache, depth=j + 1)
+                model.head(hidden, tokens[:, a + 1 : b + 1], cache=head_cache, depth=j + 1)
         mx.eval([c.state for c in cache] + ([c.state for c in head_cache] if head_cache else []))
     return _PromptPass(cache, head_cache, L, len(prompts))
+
+
+def chunk_ranges(start: int, end: int, chunk: int, align: int = PROMPT_ALIGN) -> List[tuple]:
+    """The forwards [a, b) of a prompt pass over positions start..end: cut on
+    the multiples of `chunk`, and each ending on a multiple of `align` (padded;
+    at least that wide) where the chunk allows. With the CPU's float32 forms
+    (`backends.prompt_align`) every position then meets the same forms,
+    recurrence chunks and attention spans whatever the group's longest prompt,
+    or a shared prefix cut on PROMPT_ALIGN (docs/design.md, "Shared prefixes")."""
+    out, a = [], start
+    while a < end:
+        ceil = (a // chunk + 1) * chunk
+        b = min(ceil, -(-max(end, a + align) // align) * align)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _seed(caches: list, arrays: list, rows: int, length: int) -> None:
+    """mlx-lm caches holding a prefix state's arrays for each of `rows` rows."""
+    for c, (x, y) in zip(caches, arrays):
+        x = mx.broadcast_to(x, (rows, *x.shape[1:]))
+        y = mx.broadcast_to(y, (rows, *y.shape[1:]))
+        if hasattr(c, "offset"):  # KV: the next forward writes at `length`
+            c.keys, c.values, c.offset = x, y, length
+        else:  # gated delta: conv window and recurrent state
+            c[0], c[1] = x, y
+
+
+def prefix_state(p: _PromptPass, tokens: List[int]) -> PrefixState:
+    """A one-row pass over `tokens` (a prefix and its next token) as a PrefixState."""
+    P = len(tokens) - 1
+
+    def kv(c):
+        # Copies: a slice would keep the cache's whole buffer, past the bytes the prefix cache counts.
+        return mx.contiguous(c.keys[:, :, :P]), mx.contiguous(c.values[:, :, :P])  # [1, H, P, D]
+
+    trunk = [kv(c) if hasattr(c, "offset") else (c[0], c[1]) for c in p.cache]
+    head = None if p.head_cache is None else [kv(c) for c in p.head_cache]
+    return PrefixState(tuple(tokens), trunk, head)
 
 
 def last_token_step(
@@ -144,9 +221,12 @@ def prefill_groups(
     chunk: int,
     with_head: bool,
     step: Optional[StagedPass] = None,
+    starts: Optional[List[Optional[PrefixState]]] = None,
 ) -> List[Prefilled]:
-    """A prompt pass per group of indices, one last-token step; input order."""
-    passes = [prompt_pass(model, [prompts[i] for i in g], chunk, with_head) for g in groups]
+    """A prompt pass per group of indices (from the group's prefix state in
+    `starts`, if any), one last-token step; input order."""
+    starts = starts or [None] * len(groups)
+    passes = [prompt_pass(model, [prompts[i] for i in g], chunk, with_head, s) for g, s in zip(groups, starts)]
     order = [i for g in groups for i in g]
     trunk, logits, hidden = last_token_step(
         model, passes, [len(prompts[i]) - 1 for i in order], [prompts[i][-1] for i in order], step
@@ -178,11 +258,23 @@ def prefill_by_length(
     with_head: bool,
     call_positions: int = PREFILL_CALL_POSITIONS,
     step: Optional[StagedPass] = None,
+    starts: Optional[List[Optional[PrefixState]]] = None,
 ) -> List[Prefilled]:
-    """A prompt pass per group of similar lengths (a pass pads to its longest)."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    runs = length_groups([len(prompts[i]) for i in order], call_positions)
-    return prefill_groups(model, prompts, [order[a:b] for a, b in runs], chunk, with_head, step)
+    """A prompt pass per group of prompts starting from the same prefix state
+    (`starts`, per prompt; None: from scratch) and of similar lengths after it
+    (a pass pads to its longest)."""
+    starts = starts or [None] * len(prompts)
+    by_start: dict = {}
+    for i, s in enumerate(starts):
+        by_start.setdefault(id(s), (s, []))[1].append(i)
+    groups, group_starts = [], []
+    for s, idx in by_start.values():
+        P0 = 0 if s is None else s.length
+        order = sorted(idx, key=lambda i: len(prompts[i]))
+        for a, b in length_groups([len(prompts[i]) - P0 for i in order], call_positions):
+            groups.append(order[a:b])
+            group_starts.append(s)
+    return prefill_groups(model, prompts, groups, chunk, with_head, step, group_starts)
 
 
 def length_groups(lengths: List[int], call_positions: int) -> List[tuple]:

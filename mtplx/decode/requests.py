@@ -48,6 +48,7 @@ class Completion:
     steps: int = 0
     prompt_tokens: int = 0
     logprobs: Optional[List[float]] = None
+    shared_prefix_tokens: int = 0  # prompt tokens its prefill took from a shared prefix
 
     @property
     def acceptance_rate(self) -> Optional[float]:

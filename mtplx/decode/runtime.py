@@ -31,6 +31,7 @@ from mtplx.decode.draft import DraftChain, HeadPending
 from mtplx.decode.numerics import log_softmax_f32, nonfinite_rows, replace_nonfinite_rows
 from mtplx.decode.passes import trunk_pass
 from mtplx.decode.prefill import Prefilled, prefill_by_length
+from mtplx.decode.prefix import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, build_prefixes, plan_shares, split_grain
 from mtplx.decode.prepare import drafting_model, prepare_for_decoding
 from mtplx.decode.requests import Completion, Request, error_completion, find_stop_string
 from mtplx.decode.sampling import (
@@ -96,6 +97,9 @@ class BatchRuntime:
             if self.depth > 0
             else None
         )
+        # Shared prompt prefixes' states, kept across groups and calls (decode.prefix).
+        cache_bytes = contract.prefix_cache_bytes
+        self.prefixes = PrefixCache(DEFAULT_PREFIX_CACHE_BYTES if cache_bytes is None else cache_bytes)
         # Recent launch times: launch to launch is one cycle, which calibration takes medians of.
         self.launch_started: deque = deque(maxlen=4096)
         # Prefill or rows moved since the last launch: that interval is no cycle.
@@ -304,11 +308,16 @@ class BatchRuntime:
         self._disturbed = True
         self.threads.for_prompts()  # a prompt pass's GEMMs are large enough to split
         t0 = time.perf_counter()
+        prompts = [ids for _, ids in batch]
+        with_head = self._prefill_head()
+        starts, computed = self._shared_prefixes(prompts, with_head)
         pres = prefill_by_length(
-            self.model, [ids for _, ids in batch], self.contract.prefill_chunk, self._prefill_head(), step=self._verify
+            self.model, prompts, self.contract.prefill_chunk, with_head, step=self._verify, starts=starts
         )
         self.stats["prefill_seconds"] += time.perf_counter() - t0
-        self.stats["prefill_tokens"] += sum(len(ids) for _, ids in batch)
+        shared = [0 if s is None else s.length for s in starts]
+        self.stats["prefill_tokens"] += computed + sum(len(ids) - n for ids, n in zip(prompts, shared))
+        self.stats["shared_prefix_tokens"] += sum(req.n * n for (req, _), n in zip(batch, shared))
         reqs = [req for req, _ in batch]
         owner = [i for i, req in enumerate(reqs) for _ in range(req.n)]  # sample -> request
         samples = [s for req in reqs for s in range(req.n)]
@@ -333,9 +342,21 @@ class BatchRuntime:
         for i, (req, pre) in enumerate(zip(reqs, pres)):
             firsts = first[at : at + req.n]
             lps = lp[at : at + req.n] if req.logprobs else None
-            out.append(_Prepared(req, pre, hashes[i], firsts, lps, bool(bad[i])))
+            out.append(_Prepared(req, pre, hashes[i], firsts, lps, bool(bad[i]), shared[i]))
             at += req.n
         return out
+
+    def _shared_prefixes(self, prompts: List[List[int]], with_head: bool):
+        """Per prompt, the prefix state its prefill starts from (None: from
+        scratch), and the trunk positions computed to build new ones."""
+        if not self.contract.share_prefix_min:
+            return [None] * len(prompts), 0
+        grain = split_grain(self.contract.prefill_chunk)
+        plan = plan_shares(prompts, self.contract.share_prefix_min, grain, self.prefixes.keys(with_head))
+        if not plan.parents:
+            return [None] * len(prompts), 0
+        built = build_prefixes(self.model, prompts, plan, self.prefixes, self.contract.prefill_chunk, with_head)
+        return built.states, built.computed
 
     def _prefill_head(self) -> bool:
         """Whether prompts also go through the head (where rows may draft soon);
@@ -522,6 +543,7 @@ class BatchRuntime:
             accepted_by_depth=[int(x) for x in row.accepted],
             steps=row.steps,
             prompt_tokens=row.prompt_tokens,
+            shared_prefix_tokens=row.shared_prefix_tokens,
             logprobs=row.logprobs,
         )
 
@@ -547,17 +569,20 @@ class _Prepared:
     first_tokens: List[int]  # [n] one per sample
     first_logprobs: Optional[List[float]]
     nonfinite: bool
+    shared_prefix: int = 0  # prompt tokens its prefill took from a shared prefix
 
     def items(self, depth: int):
         for s in range(self.req.n):
             if self.nonfinite:
                 msg = "non-finite logits at completion position 0"
-                yield "done", error_completion(self.req, s, msg, self.pre.length)
+                done = error_completion(self.req, s, msg, self.pre.length)
+                done.shared_prefix_tokens = self.shared_prefix
+                yield "done", done
             else:
                 yield "row", (self.pre, self.row(s, depth), self.first_tokens[s])
 
     def row(self, s: int, depth: int) -> Row:
-        row = Row(self.req, s, self.key_hash, self.pre.length, depth)
+        row = Row(self.req, s, self.key_hash, self.pre.length, depth, shared_prefix_tokens=self.shared_prefix)
         row.tokens.append(self.first_tokens[s])
         if row.logprobs is not None:
             row.logprobs.append(self.first_logprobs[s])
@@ -634,7 +659,8 @@ def _trim(row: Row):
 
 def _new_stats(depth: int) -> dict:
     return {
-        "prefill_tokens": 0,
+        "prefill_tokens": 0,  # prompt tokens computed (shared prefixes once)
+        "shared_prefix_tokens": 0,  # prompt tokens taken from a shared prefix, per sample row
         "decode_tokens": 0,
         "prefill_seconds": 0.0,
         "decode_seconds": 0.0,

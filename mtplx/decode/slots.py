@@ -22,6 +22,7 @@ class Row:
     key_hash: int  # row_hash of the row id (and the request's own seed)
     prompt_tokens: int
     depth: int
+    shared_prefix_tokens: int = 0  # prompt tokens its prefill took from a shared prefix
     tokens: List[int] = field(default_factory=list)
     drafted: Optional[np.ndarray] = None  # [k] cycles that drafted at depth i+1
     accepted: Optional[np.ndarray] = None  # [k] cycles that accepted d_1..d_{i+1}

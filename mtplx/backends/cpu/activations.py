@@ -102,14 +102,19 @@ def fast_attention(
     step: bool = False,
     causal: bool = False,
     block_scores: Optional[int] = None,
+    block_rows: Optional[int] = None,
 ) -> mx.array:
     """`mx.fast.scaled_dot_product_attention`'s CPU fallback over `fast_exp`, or `pow_exp` for a decode pass
     (`step`). q [B, Hq, L, D], k, v [B, Hkv, S, D]; mask None, "causal", bool (True: attend) or additive,
     broadcastable to [B, Hq, L, S] -> [B, Hq, L, Dv]. Past `block_scores` scores a prompt pass runs in blocks
     of query rows; `causal` (queries are the last L of S positions, none sees a later one) lets a block skip
-    the keys after its last query."""
+    the keys after its last query; `block_rows` fixes the rows per block (causal), so a query's keys end where
+    its block of that many rows ends, whatever the batch and the pass's length (`ALIGNED_BLOCK_ROWS`)."""
     L, S = q.shape[2], k.shape[2]
-    rows = 0 if step else _query_block_rows(q.shape[0], q.shape[1], L, S, block_scores or QUERY_BLOCK_SCORES)
+    if block_rows and not step:
+        rows = block_rows if block_rows < L else 0
+    else:
+        rows = 0 if step else _query_block_rows(q.shape[0], q.shape[1], L, S, block_scores or QUERY_BLOCK_SCORES)
     if not rows:
         return _attention(q, k, v, scale, mask, step)
     causal = causal or (isinstance(mask, str) and mask == "causal")
@@ -125,6 +130,10 @@ def fast_attention(
 # Scores computed at once: a softmax over more than the cache holds runs slower per score (docs/performance.md).
 QUERY_BLOCK_SCORES = 1 << 17
 QUERY_BLOCK_MIN_ROWS = 16
+# A causal prompt pass over an mlx-lm cache takes blocks of this many query rows. A prompt pass's forwards start
+# and end on multiples of it (`mtplx.decode.prefill.chunk_ranges`), so a query reads the keys up to its block's
+# end whatever the batch, its longest prompt or a shared prefix: a softmax over more (masked) keys rounds apart.
+ALIGNED_BLOCK_ROWS = 16
 
 
 def _query_block_rows(B: int, Hq: int, L: int, S: int, block_scores: int) -> int:
@@ -195,7 +204,8 @@ def _qwen_attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     if prompt:
         # Causal blocks only over an mlx-lm cache (or none): it holds just the positions up to these queries.
         causal = mask is not None and not getattr(cache, "per_row_lengths", False)
-        output = fast_attention(queries, keys, values, self.scale, mask, causal=causal)
+        rows = ALIGNED_BLOCK_ROWS if causal else None
+        output = fast_attention(queries, keys, values, self.scale, mask, causal=causal, block_rows=rows)
         gate = _fast_sigmoid(gate)
     else:
         output = fast_attention(queries, keys, values, self.scale, mask, step=True)
