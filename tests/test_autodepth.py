@@ -927,3 +927,54 @@ def test_a_given_sampled_depth_is_the_depth_of_every_sampled_cycle(predictable_q
     assert [o.tokens for o in got] == [o.tokens for o in fixed.generate(prompts, sampling=sp, max_tokens=8, seed=4)]
     by_depth = auto.stats["auto_depth"]["cycles_by_depth"]
     assert by_depth["2"] > 0 and by_depth["2"] == sum(by_depth.values())
+
+
+def test_calibration_takes_its_light_effort_only_where_the_full_one_would_run_past_its_budget():
+    from mtplx.autodepth.calibration import (
+        CALIBRATION_BUDGET_S,
+        FULL_EFFORT,
+        FULL_EFFORT_STEPS,
+        LIGHT_EFFORT,
+        calibration_effort,
+    )
+
+    bound = CALIBRATION_BUDGET_S / FULL_EFFORT_STEPS
+    assert calibration_effort(0.005) == FULL_EFFORT  # the built-in model's steps: calibration as it was
+    assert calibration_effort(bound) == FULL_EFFORT and calibration_effort(bound * 1.01) == LIGHT_EFFORT
+    light, full = LIGHT_EFFORT, FULL_EFFORT
+    assert light.rounds < full.rounds and light.bare_first < full.bare_first and light.prompt_len < full.prompt_len
+    assert light.sampled_rounds % 2 == 0  # every other round runs the depths in reverse
+
+
+def test_a_slow_step_calibrates_with_the_light_effort_and_records_it(tmp_path, monkeypatch):
+    import mtplx.autodepth.calibration as autodepth
+
+    seen = []
+
+    def fake(model, B, depths, **kw):
+        seen.append({k: kw.get(k) for k in ("rounds", "burst", "repeats", "prompt_len", "bare_rounds_between")})
+        return CycleCosts(B, {k: 1.0 + 0.05 * k for k in depths})
+
+    class SlowSampler:
+        def __init__(self, model, batch_size, *a, **k):
+            self.batch_size, self.rounds = batch_size, []
+
+        def sample(self, rounds):
+            self.rounds.append(rounds)
+
+        def costs(self):
+            return BareCosts(self.batch_size, 64, 0.5, {1: 0.5, 2: 0.52, 3: 0.55}, head_s=0.01)
+
+    monkeypatch.setattr(autodepth, "measure_cycle_costs", fake)
+    monkeypatch.setattr(autodepth, "BareCostSampler", SlowSampler)
+    model = mtplx.load(tiny_checkpoint("qwen3_5", tmp_path / "m", vocab_size=48))
+    auto = MTPLXRuntime(model, MTPContract(depth="auto"), max_batch=2)
+    light = autodepth.LIGHT_EFFORT
+    assert auto.stats["auto_depth"]["calibration_effort"] == "light"
+    assert seen[0] == dict(
+        rounds=light.rounds,
+        burst=light.burst,
+        repeats=light.repeats,
+        prompt_len=light.prompt_len,
+        bare_rounds_between=light.bare_between,
+    )

@@ -5,6 +5,7 @@ at the job's batch size on the machine it runs on, then plan the job's depths
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -43,6 +44,38 @@ BARE_ROUNDS_BETWEEN = 2
 # Rounds of sampled cycles pricing the job depth (greedy ones price the draws at nothing), timed only where
 # greedy prices put a depth over the margin; even, as every other round runs the depths in reverse.
 SAMPLED_CALIBRATION_ROUNDS = 4
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How much calibration times: bare rounds before and between, rounds of greedy and of sampled cycles,
+    cycles per burst, bursts of each depth per round, and the random prompts' length (each round prefills
+    them anew)."""
+
+    bare_first: int
+    bare_between: int
+    rounds: int
+    sampled_rounds: int
+    burst: int
+    repeats: int
+    prompt_len: int
+
+
+FULL_EFFORT = Effort(
+    BARE_ROUNDS_FIRST, BARE_ROUNDS_BETWEEN, 5, SAMPLED_CALIBRATION_ROUNDS, bursts.BURST, bursts.REPEATS, 48
+)
+# Where a step takes long (a model of real size on a CPU), the full effort runs for minutes at each batch size;
+# there the passes' times are long and steady next to their jitter, so fewer samples price them as well.
+LIGHT_EFFORT = Effort(2, 0, 2, 2, 3, 1, 16)
+# The full effort costs about this many one-token steps (its cycles, and the bare passes' bursts); it is kept
+# while that takes at most CALIBRATION_BUDGET_S.
+FULL_EFFORT_STEPS = 1400
+CALIBRATION_BUDGET_S = 60.0
+
+
+def calibration_effort(step_s: float) -> Effort:
+    """The full effort where it takes at most CALIBRATION_BUDGET_S at this step cost, else the light one."""
+    return FULL_EFFORT if step_s * FULL_EFFORT_STEPS <= CALIBRATION_BUDGET_S else LIGHT_EFFORT
 
 
 def measure_cycle_costs(
@@ -137,14 +170,20 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
     sampled = acceptance_prior(model, K, sampled=True)  # what the job depth (sampled rows) is chosen for
     # Bare passes give the cost shape across depths; the runtime's decodes, a whole cycle's cost beyond them.
     sampler = BareCostSampler(model, max_batch, depths=range(1, K + 1), context=64, compiled=contract.compile)
-    sampler.sample(BARE_ROUNDS_FIRST)
+    sampler.sample(1)
+    effort = calibration_effort(sampler.costs().step_s)
+    sampler.sample(effort.bare_first - 1)
     costs = measure_cycle_costs(
         model,
         max_batch,
         depths=range(K + 1),
         compiled=contract.compile,
+        prompt_len=effort.prompt_len,
+        rounds=effort.rounds,
         bare=sampler,
-        bare_rounds_between=BARE_ROUNDS_BETWEEN,
+        bare_rounds_between=effort.bare_between,
+        burst=effort.burst,
+        repeats=effort.repeats,
     )
     bare = sampler.costs()
     if not _timed_every_depth(costs, K):
@@ -183,7 +222,10 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
                 compiled=contract.compile,
                 bare=bare,
                 temperature=1.0,
-                rounds=SAMPLED_CALIBRATION_ROUNDS,
+                prompt_len=effort.prompt_len,
+                rounds=effort.sampled_rounds,
+                burst=effort.burst,
+                repeats=effort.repeats,
             )
             if _timed_every_depth(sampled_costs, K):
                 job = _job_depth(sampled_costs, sampled, K, max_batch)
@@ -200,6 +242,7 @@ def plan_auto_depth(model, contract, max_batch: int) -> AutoDepth:
         "acceptance_prior": acceptance,
         "acceptance_prior_sampled": sampled,
         "bare_costs": bare.as_dict(),
+        "calibration_effort": "full" if effort == FULL_EFFORT else "light",
         "cycle_costs": costs.as_dict(),
         "predicted_speedup": {str(d): predicted_speedup(costs, acceptance, d) for d in range(K + 1)},
         "predicted_speedup_sampled": {

@@ -92,6 +92,8 @@ class BareCostSampler:
 
     def sample(self, rounds: int) -> None:
         """Time `rounds` more interleaved rounds of every pass (the first call also warms them up)."""
+        if rounds < 1:
+            return
         warm = bool(self.times["step"])
         try:
             times = interleaved_times(self.passes, rounds, burst=BURST, warmups=0 if warm else 2, lead=LEAD)
