@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+import mtplx
 from mtplx.autodepth.costs import BareCosts
 from mtplx.bench import run as bench
 from mtplx.bench.report import format_table, write_plot
@@ -937,3 +938,15 @@ def test_the_widened_bench_checkpoint_is_written_once_and_again_when_its_shape_c
     assert not (tmp_path / "widened-small.tmp").exists()
     with pytest.raises(ValueError, match="unknown shape"):
         scale.widened_checkpoint("qwen9-huge", tmp_path)
+
+
+def test_the_header_records_peak_memory_and_each_rows_cache_bytes_at_the_decode_context(tiny_records, tiny_model):
+    m = tiny_records[0]["memory"]
+    assert m["peak_rss_bytes"] > 2**20
+    c = m["cache_bytes_per_row"]
+    model = mtplx.load(tiny_model)
+    doubled = bench.cache_bytes_per_row(model, 2 * c["context"])
+    assert c["trunk_kv"] > 0 and doubled["trunk_kv"] == 2 * c["trunk_kv"]  # attention KV grows with the context
+    assert doubled["gated_delta_state"] == c["gated_delta_state"] > 0  # the recurrent state does not
+    assert c["total"] == c["trunk_kv"] + c["gated_delta_state"] + c["head_kv"] and c["head_kv"] > 0
+    assert "memory: peak RSS" in format_table(tiny_records)

@@ -160,8 +160,25 @@ def _describe(h: dict) -> List[str]:
         "versions: "
         + ", ".join(f"{k} {val}" for k, val in v.items())
         + f"; BLAS: {h['blas']['name']}{_thread_timeout(h['blas'])}; malloc: {h.get('allocator', '-')}",
+        *_memory(h.get("memory")),
         "",
     ]
+
+
+def _memory(m: Optional[dict]) -> List[str]:
+    if not m:
+        return []  # older records
+    c = m["cache_bytes_per_row"]
+    rss = m.get("peak_rss_bytes")
+    return [
+        f"memory: peak RSS {_mib(rss)} (both engines); caches per row at context {c['context']}: "
+        f"{_mib(c['total'])} (trunk KV {_mib(c['trunk_kv'])}, "
+        f"gated-delta state {_mib(c['gated_delta_state'])}, head KV {_mib(c['head_kv'])})"
+    ]
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f} MiB"
 
 
 def _device(d: Optional[dict]) -> str:

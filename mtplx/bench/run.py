@@ -205,6 +205,10 @@ def run_bench(
         records += bench_batch_size(model, reference, plan, pool, B, log)
         mx.clear_cache()
     header["mtplx_gemm_layout"] = model.info.get("gemm_layout", 0)  # weights re-laid
+    context = max(
+        decode_context([take_prompts(pool, plan.prompts_per_run(B))], B, plan.max_tokens) for B in plan.batch_sizes
+    )
+    header["memory"] = {"peak_rss_bytes": peak_rss_bytes(), "cache_bytes_per_row": cache_bytes_per_row(model, context)}
     header["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return records
 
@@ -256,6 +260,39 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     for t, (base_runs, pairs) in rounds.items():
         records += setting_records(runtimes, B, t, base_runs, pairs, costs, plan, log)
     return records
+
+
+def peak_rss_bytes() -> Optional[int]:
+    """This process's peak resident memory (both engines' weights and caches, and the runs' peaks)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+def cache_bytes_per_row(model, context: int) -> dict:
+    """Bytes of one row's caches at `context` positions, from the slot caches a one-row forward fills: the
+    trunk's attention KV, its gated-delta conv windows and states (whatever the context), the head's KV."""
+    import mlx.core as mx
+
+    from mtplx.decode.cache import SlotKVCache, make_slot_caches
+
+    def per_position(c) -> int:
+        return (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+
+    caches = make_slot_caches(model.layer_kinds, 1)
+    model.forward(mx.zeros((1, context), dtype=mx.int32), caches)
+    kv = sum(per_position(c) for c in caches if isinstance(c, SlotKVCache)) * context
+    state = sum(a.nbytes for c in caches if not isinstance(c, SlotKVCache) for a in c.arrays)
+    head = 0
+    if model.head is not None:
+        hidden = model.text_model.norm.weight.shape[0]
+        head_caches = [SlotKVCache(1) for _ in range(model.num_head_layers)]
+        model.head(mx.zeros((1, context, hidden)), mx.zeros((1, context), dtype=mx.int32), cache=head_caches)
+        head = sum(per_position(c) for c in head_caches) * context
+    return {"context": context, "trunk_kv": kv, "gated_delta_state": state, "head_kv": head, "total": kv + state + head}
 
 
 def decode_context(batches: Sequence[List[List[int]]], batch_size: int, max_tokens: int) -> int:
