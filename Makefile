@@ -115,7 +115,7 @@ SCALE_BATCH_SIZES ?= 1,4,16
 BENCH_SCALE_ARGS ?=
 bench-scale: install
 	$(MLXENV) M=$$($(PY) -m mtplx.bench.scale $(SCALE_SHAPE) --cache .cache) && \
-	  /usr/bin/env time -v $(VENV)/bin/mtplx bench --model $$M --batch-sizes $(SCALE_BATCH_SIZES) \
+	  $(VENV)/bin/mtplx bench --model $$M --batch-sizes $(SCALE_BATCH_SIZES) \
 	    --depths 0,1,2,3,auto --temperatures 0,1 --max-tokens 16 --max-prompt-tokens 32 --prompts $(SCALE_BATCH_SIZES) \
 	    --rounds 2 --bare-rounds 2,1 --draft-vocab 32768 --output bench-scale.json $(BENCH_SCALE_ARGS)
 
