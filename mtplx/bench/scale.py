@@ -26,7 +26,8 @@ def widened_checkpoint(shape: str, cache, source=None) -> Path:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     source = Path(source) if source is not None else default_model_path()
-    stamp = {"shape": shape, "arguments": SHAPES[shape], "source": str(source), "fingerprint": _fingerprint(source)}
+    # The source by its files, not its path, so that a checkout moved elsewhere keeps its cache.
+    stamp = {"shape": shape, "arguments": SHAPES[shape], "source": _fingerprint(source)}
     dst = Path(cache) / f"widened-{shape}"
     if (dst / STAMP).is_file() and json.loads((dst / STAMP).read_text()) == stamp:
         return dst
