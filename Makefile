@@ -108,8 +108,8 @@ bench: install
 
 # The regime users run in: the built-in model widened to Qwen3.5-0.8B's shape and vocabulary (float32, ~3.7 GB,
 # written once under .cache/), against mlx-lm on the same checkpoint, the head drafting over 32,768 ids.
-# Sized for two cores: about 20 minutes at batch 1, 4 and 16 (docs/scale.md); batch 64 takes longer there,
-# so it is its own run: `make bench-scale SCALE_BATCH_SIZES=64`. BENCH_SCALE_ARGS adds or overrides flags.
+# Sized for two cores: about 20 minutes at batch 1, 4 and 16 (docs/scale.md); batch 64 takes as long alone
+# there, so it is its own run: `make bench-scale SCALE_BATCH_SIZES=64`. BENCH_SCALE_ARGS adds or overrides flags.
 SCALE_SHAPE ?= qwen3.5-0.8b
 SCALE_BATCH_SIZES ?= 1,4,16
 BENCH_SCALE_ARGS ?=
