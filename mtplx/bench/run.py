@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from mtplx.decode.contract import MAX_DEPTH
+from mtplx.decode.contract import MAX_DEPTH, MTPContract
 
 Depth = Union[int, str]
 
@@ -171,6 +171,7 @@ def run_bench(
 
     from mtplx import load
     from mtplx.assets import default_model_path
+    from mtplx.decode.prepare import drafting_model
 
     plan = BenchPlan(
         tuple(int(b) for b in batch_sizes),
@@ -190,6 +191,9 @@ def run_bench(
     path = Path(model_path) if model_path is not None else default_model_path()
     model = load(path)
     plan = _depths_the_model_can_run(plan, model, path)
+    # The head as every MTPLX run drafts with it, made once: each runtime and the bare costs share its
+    # gathered output rows (a runtime given a drafting view keeps it).
+    model = drafting_model(model, MTPContract(depth=1, draft_vocab=plan.draft_vocab))
     if 0 not in plan.depths:  # measured_speedup is over MTPLX's plain decoding in the same rounds
         plan = replace(plan, depths=(0,) + plan.depths)
         _notice("depth 0 added: measured speed-ups are over MTPLX's plain decoding, run in the same rounds")
@@ -236,8 +240,6 @@ def _depths_the_model_can_run(plan: BenchPlan, model, path: Path) -> BenchPlan:
 def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B: int, log) -> List[dict]:
     """Every temperature x depth at batch size B (`reference`: the mlx-lm baseline's own load)."""
     from mtplx.autodepth.costs import BareCostSampler
-    from mtplx.decode.contract import MTPContract
-    from mtplx.decode.prepare import drafting_model
     from mtplx.runtime import MTPLXRuntime
 
     n = plan.prompts_per_run(B)
@@ -246,8 +248,7 @@ def bench_batch_size(model, reference, plan: BenchPlan, pool: List[List[int]], B
     max_auto = MTPContract(depth="auto").max_depth_auto
     log(f"batch {B}: bare costs at context {context}, sampled before and between rounds")
     contract = partial(MTPContract, draft_vocab=plan.draft_vocab)
-    # The head as the runtimes draft with it (a reduced draft vocabulary costs less).
-    bare = BareCostSampler(drafting_model(model, contract(depth=1)), B, plan.cost_depths(max_auto), context)
+    bare = BareCostSampler(model, B, plan.cost_depths(max_auto), context)
     bare.sample(plan.bare_rounds[0])
     # Built once per batch size: "auto" calibrates (times its own cycles) when built.
     runtimes = {d: MTPLXRuntime(model, contract(depth=d), max_batch=B) for d in plan.depths}
